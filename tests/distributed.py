@@ -1,0 +1,73 @@
+"""Run a function on W gloo ranks in fresh processes, with a hard timeout.
+
+A hang must fail the test, never block CI: the parent waits at most `timeout` seconds,
+then kills every rank and raises. Exceptions on any rank come back with their traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world_size: int, port: int, fn, args, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        result = fn(rank, world_size, *args)
+        torch.save(result, Path(out_dir, f"result{rank}.pt"))
+    except BaseException:
+        Path(out_dir, f"error{rank}.txt").write_text(traceback.format_exc())
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(fn, world_size: int, *args, timeout: float = 120.0) -> list:
+    """fn(rank, world_size, *args) on every rank; returns the per-rank results.
+
+    Raises RankError if any rank raised (with every rank's traceback), TimeoutError on a hang.
+    `fn` must be importable (a module-level function of a test module).
+    """
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as out_dir:
+        port = _free_port()
+        procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, out_dir)) for r in range(world_size)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        if any(p.is_alive() for p in procs):
+            for p in procs:
+                p.kill()
+                p.join()
+            raise TimeoutError(f"distributed run of {fn.__name__} on {world_size} ranks hung for more than {timeout}s")
+        errors = {r: Path(out_dir, f"error{r}.txt").read_text() for r in range(world_size) if Path(out_dir, f"error{r}.txt").exists()}
+        if errors:
+            raise RankError(errors)
+        missing = [r for r in range(world_size) if not Path(out_dir, f"result{r}.pt").exists()]
+        if missing:
+            raise RuntimeError(f"ranks {missing} died without a result (exit codes {[p.exitcode for p in procs]})")
+        return [torch.load(Path(out_dir, f"result{r}.pt"), weights_only=False) for r in range(world_size)]
+
+
+class RankError(Exception):
+    def __init__(self, errors: dict[int, str]):
+        self.errors = errors
+        super().__init__("\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items())))

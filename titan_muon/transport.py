@@ -1,0 +1,76 @@
+"""The only module that calls torch.distributed for Muon traffic.
+
+Buffers travel as raw bytes (``uint8`` views) so any dtype works on every backend: gloo has
+no float8 and its support for reduced precision differs between collectives.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+
+@dataclass
+class Exchange:
+    """An all-to-all in flight: `wait()` returns the received buffer in the sent dtype."""
+
+    received: Tensor
+    work: dist.Work | None
+    dtype: torch.dtype
+    sent: Tensor | None = None  # kept alive until the collective has read it
+
+    def wait(self) -> Tensor:
+        if self.work is not None:
+            self.work.wait()
+            self.sent = None
+        return self.received.view(self.dtype)
+
+
+class Transport:
+    def __init__(self, group: dist.ProcessGroup | None):
+        self.group = group
+        self.world_size = 1 if group is None else dist.get_world_size(group)
+        self.rank = 0 if group is None else dist.get_rank(group)
+        self.bytes_sent = 0
+        self.bytes_received = 0
+
+    def all_to_all(self, send: Tensor, send_counts: list[int], recv_counts: list[int]) -> Exchange:
+        """Start an uneven all-to-all of `send` (1-D, counts in elements); returns at once."""
+        itemsize = send.element_size()
+        recv = torch.empty(sum(recv_counts) * itemsize, dtype=torch.uint8, device=send.device)
+        if self.group is None:
+            recv.copy_(send.view(torch.uint8))
+            return Exchange(recv, None, send.dtype)
+        self.bytes_sent += itemsize * (sum(send_counts) - send_counts[self.rank])
+        self.bytes_received += itemsize * (sum(recv_counts) - recv_counts[self.rank])
+        send_bytes = send.contiguous().view(torch.uint8)
+        work = dist.all_to_all_single(
+            recv,
+            send_bytes,
+            output_split_sizes=[c * itemsize for c in recv_counts],
+            input_split_sizes=[c * itemsize for c in send_counts],
+            group=self.group,
+            async_op=True,
+        )
+        return Exchange(recv, work, send.dtype, send_bytes)
+
+    def all_reduce(self, tensor: Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> Tensor:
+        if self.group is not None:
+            dist.all_reduce(tensor, op=op, group=self.group)
+        return tensor
+
+    def check_same_everywhere(self, value: int, what: str) -> None:
+        """Raise the same error on every rank unless all ranks pass the same 63-bit `value`."""
+        if self.group is None:
+            return
+        pair = torch.tensor([value, -value], dtype=torch.int64)
+        self.all_reduce(pair, dist.ReduceOp.MAX)
+        if pair[0].item() != -pair[1].item():
+            raise RuntimeError(
+                f"titan_muon: {what} differs between ranks of the process group "
+                f"(this rank: {value:#x}). Every rank must build the optimizer from the same model "
+                "with the same parameter order, shapes and settings."
+            )
