@@ -1,0 +1,204 @@
+"""One process: titan_muon.Muon against torch.optim.Muon, torch.optim.AdamW and a plain fp32 reference."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from reference import ReferenceMuonAdamW
+from titan_muon import Muon, build_param_groups
+
+SHAPES = {"a": (30, 64), "b": (63, 64), "c": (3, 256), "d": (64, 30), "e": (48, 48)}
+
+
+def make_params(seed=0, shapes=SHAPES):
+    g = torch.Generator().manual_seed(seed)
+    return {n: torch.randn(*s, generator=g) for n, s in shapes.items()}
+
+
+def grads_for(step, params):
+    g = torch.Generator().manual_seed(1000 + step)
+    return {n: torch.randn(p.shape, generator=g) for n, p in params.items()}
+
+
+def run_titan(params, steps, muon_names, **kwargs):
+    tensors = {n: nn.Parameter(p.clone()) for n, p in params.items()}
+    muon = [(n, t) for n, t in tensors.items() if n in muon_names]
+    adamw = [(n, t) for n, t in tensors.items() if n not in muon_names]
+    groups = [g for g in ({"params": muon, "use_muon": True}, {"params": adamw, "use_muon": False}) if g["params"]]
+    opt = Muon(groups, **kwargs)
+    for s in range(steps):
+        for n, g in grads_for(s, params).items():
+            tensors[n].grad = g
+        opt.step()
+    return {n: t.detach() for n, t in tensors.items()}, opt
+
+
+def max_rel(a, b):
+    return max(((a[n] - b[n]).abs().max() / b[n].abs().max()).item() for n in a)
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+@pytest.mark.parametrize("adjust_lr_fn", [None, "original", "match_rms_adamw"])
+def test_matches_fp32_reference(nesterov, adjust_lr_fn):
+    params = make_params()
+    muon_names = {"a", "b", "c", "d"}
+    kwargs = dict(lr=0.02, weight_decay=0.1, momentum=0.9, nesterov=nesterov, adjust_lr_fn=adjust_lr_fn)
+    ours, _ = run_titan(params, 4, muon_names, adamw_betas=(0.9, 0.99), adamw_eps=1e-8, **kwargs)
+    ref = ReferenceMuonAdamW(betas=(0.9, 0.99), eps=1e-8, **kwargs)
+    expected = {n: p.clone() for n, p in params.items()}
+    for s in range(4):
+        ref.step(expected, grads_for(s, params), {n: n in muon_names for n in params})
+    assert max_rel(ours, expected) <= 1e-6
+
+
+def test_matches_torch_optim_muon_with_bf16_newton_schulz():
+    """torch.optim.Muon runs NS in bf16; with ns_dtype="bf16" we run the same kernel sequence."""
+    params = make_params(shapes={k: v for k, v in SHAPES.items()})
+    for adjust in ("original", "match_rms_adamw"):
+        ours, _ = run_titan(params, 3, set(params), lr=0.01, weight_decay=0.1, adjust_lr_fn=adjust, ns_dtype="bf16")
+        tensors = {n: nn.Parameter(p.clone()) for n, p in params.items()}
+        torch_opt = torch.optim.Muon(list(tensors.values()), lr=0.01, weight_decay=0.1, adjust_lr_fn=adjust)
+        for s in range(3):
+            for n, g in grads_for(s, params).items():
+                tensors[n].grad = g
+            torch_opt.step()
+        # Same bf16 kernels; the update is only scaled in a different order (lr·(s·O) vs (lr·s)·O).
+        assert max_rel(ours, {n: t.detach() for n, t in tensors.items()}) <= 1e-5
+        # fp32 NS differs from torch's bf16 NS by bf16 rounding only.
+        ours32, _ = run_titan(params, 3, set(params), lr=0.01, weight_decay=0.1, adjust_lr_fn=adjust)
+        deltas = {n: ours32[n] - params[n] for n in params}
+        torch_deltas = {n: tensors[n].detach() - params[n] for n in params}
+        assert max_rel(deltas, torch_deltas) <= 0.05
+
+
+def test_adamw_groups_match_torch_adamw():
+    params = make_params()
+    ours, _ = run_titan(params, 5, set(), lr=3e-3, weight_decay=0.05, adamw_betas=(0.8, 0.9), adamw_eps=1e-7)
+    tensors = {n: nn.Parameter(p.clone()) for n, p in params.items()}
+    torch_opt = torch.optim.AdamW(list(tensors.values()), lr=3e-3, weight_decay=0.05, betas=(0.8, 0.9), eps=1e-7)
+    for s in range(5):
+        for n, g in grads_for(s, params).items():
+            tensors[n].grad = g
+        torch_opt.step()
+    assert max_rel(ours, {n: t.detach() for n, t in tensors.items()}) <= 1e-6
+
+
+def test_lr_zero_step_creates_state_and_changes_no_parameter():
+    params = make_params()
+    tensors = {n: nn.Parameter(p.clone()) for n, p in params.items()}
+    opt = Muon([{"params": [tensors[n] for n in "abc"]}, {"params": [tensors[n] for n in "de"], "use_muon": False}], lr=0.0)
+    for n, t in tensors.items():
+        t.grad = torch.randn_like(t)
+    opt.step()
+    for n, t in tensors.items():
+        assert torch.equal(t.detach(), params[n])
+        assert opt.state[t]
+    assert set(opt.state[tensors["a"]]) == {"momentum_buffer"}
+    assert set(opt.state[tensors["d"]]) == {"step", "exp_avg", "exp_avg_sq"}
+
+
+def test_state_is_created_for_parameters_without_gradients():
+    w, v = nn.Parameter(torch.randn(8, 8)), nn.Parameter(torch.randn(8, 8))
+    opt = Muon([w, v], lr=0.1)
+    w.grad = torch.randn(8, 8)
+    before = v.detach().clone()
+    opt.step()
+    assert set(opt.state[v]) == {"momentum_buffer"} and torch.equal(v.detach(), before)
+
+
+def test_non_matrix_in_muon_group_is_named():
+    model = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8))
+    with pytest.raises(ValueError, match=r"'0\.bias' has shape \(8,\)"):
+        Muon(list(model.named_parameters()))
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(momentum=1.0), "momentum"),
+        (dict(ns_steps=0), "ns_steps"),
+        (dict(adjust_lr_fn="rms"), "adjust_lr_fn"),
+        (dict(ns_coefficients="cubic"), "ns_coefficients"),
+        (dict(ns_dtype="fp16"), "ns_dtype"),
+        (dict(comm_dtype="int8"), "comm_dtype"),
+        (dict(lr=-1.0), "lr"),
+        (dict(nonfinite_grads="ignore"), "nonfinite_grads"),
+    ],
+)
+def test_bad_settings_are_named(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        Muon([nn.Parameter(torch.randn(4, 4))], **kwargs)
+
+
+def test_nonfinite_gradient_raises_or_skips_without_touching_state():
+    for policy in ("raise", "skip"):
+        w = nn.Parameter(torch.randn(8, 8))
+        b = nn.Parameter(torch.randn(8))
+        opt = Muon([{"params": [("w", w)]}, {"params": [("b", b)], "use_muon": False}], lr=0.1, nonfinite_grads=policy)
+        w.grad, b.grad = torch.randn(8, 8), torch.randn(8)
+        opt.step()
+        state = copy.deepcopy(opt.state_dict())
+        before = (w.detach().clone(), b.detach().clone())
+        w.grad, b.grad = torch.randn(8, 8), torch.full((8,), float("nan"))
+        if policy == "raise":
+            with pytest.raises(FloatingPointError, match=r"\['b'\]"):
+                opt.step()
+        else:
+            opt.step()
+            assert opt.last_step_metrics["muon/skipped_steps"] == 1
+        assert torch.equal(w.detach(), before[0]) and torch.equal(b.detach(), before[1])
+        after = opt.state_dict()
+        assert torch.equal(after["state"][0]["momentum_buffer"], state["state"][0]["momentum_buffer"])
+        assert torch.equal(after["state"][1]["exp_avg"], state["state"][1]["exp_avg"])
+
+
+def test_state_dict_round_trip_and_refuses_a_changed_split():
+    params = make_params()
+    _, opt = run_titan(params, 2, {"a", "b"}, lr=0.01)
+    saved = opt.state_dict()
+    _, fresh = run_titan(params, 0, {"a", "b"}, lr=0.01)
+    fresh.load_state_dict(copy.deepcopy(saved))
+    assert torch.equal(fresh.state_dict()["state"][0]["momentum_buffer"], saved["state"][0]["momentum_buffer"])
+    # Same group sizes, Muon and AdamW swapped: refused before anything is loaded.
+    tensors = {n: nn.Parameter(p.clone()) for n, p in params.items()}
+    swapped = Muon([{"params": [tensors["a"], tensors["b"]], "use_muon": False}, {"params": [tensors[n] for n in "cde"]}])
+    with pytest.raises(ValueError, match="param group 0 was saved with use_muon=True"):
+        swapped.load_state_dict(copy.deepcopy(saved))
+    assert not swapped.state
+    # The same groups but state written by another optimizer (AdamW keys on a Muon param).
+    forged = copy.deepcopy(saved)
+    forged["state"][0] = {"step": torch.tensor(1.0), "exp_avg": torch.zeros(30, 64), "exp_avg_sq": torch.zeros(30, 64)}
+    with pytest.raises(ValueError, match=r"saved state of .* has keys \['exp_avg', 'exp_avg_sq', 'step'\]"):
+        fresh.load_state_dict(forged)
+
+
+def test_build_param_groups_splits_a_transformer_the_usual_way():
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attention_norm = nn.RMSNorm(16)
+            self.wq = nn.Linear(16, 16, bias=False)
+            self.w1 = nn.Linear(16, 32, bias=True)
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tok_embeddings = nn.Embedding(50, 16)
+            self.layers = nn.ModuleList([Block(), Block()])
+            self.norm = nn.RMSNorm(16)
+            self.output = nn.Linear(16, 50, bias=False)
+
+    model = Model()
+    muon, adamw = build_param_groups(model, adamw_lr=1e-3, adamw_patterns=["layers.1.w1.*"])
+    assert muon["use_muon"] and not adamw["use_muon"] and adamw["lr"] == 1e-3 and "lr" not in muon
+    assert muon["param_names"] == ["layers.0.wq.weight", "layers.0.w1.weight", "layers.1.wq.weight"]
+    assert set(adamw["param_names"]) == {
+        "tok_embeddings.weight", "output.weight", "norm.weight", "layers.0.attention_norm.weight",
+        "layers.0.w1.bias", "layers.1.attention_norm.weight", "layers.1.w1.weight", "layers.1.w1.bias",
+    }  # fmt: skip
+    opt = Muon(build_param_groups(model), lr=0.01)
+    loss = model.output(model.layers[0].w1(model.layers[0].wq(model.tok_embeddings(torch.tensor([1, 2]))))[:, :16]).sum()
+    loss.backward()
+    opt.step()
