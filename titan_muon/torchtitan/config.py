@@ -1,0 +1,109 @@
+"""The ``[optimizer]`` fields titan_muon adds to torchtitan's job config.
+
+Load it with ``[job] custom_config_module = "titan_muon.torchtitan.config"``. torchtitan
+merges this ``JobConfig`` into its own field by field, so these fields appear next to its
+``name``, ``lr``, ``beta1``, ``beta2``, ``eps`` and ``weight_decay``. An unknown key in
+the TOML file is rejected by torchtitan itself (naming the key); values are checked by
+:func:`validate_optimizer_config`, because neither TOML parsing nor tyro checks them.
+"""
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal, get_args, get_type_hints
+
+OPTIMIZER_NAMES = ("Muon", "AdamW", "Adam")
+
+
+@dataclass
+class Optimizer:
+    """Muon's settings. ``lr`` and ``weight_decay`` are torchtitan's own fields."""
+
+    momentum: float = 0.95
+    nesterov: bool = True
+    ns_steps: int = 5
+    """Newton-Schulz iterations per update."""
+    ns_coefficients: Literal["keller", "polar_express"] = "keller"
+    """"keller" (quintic, as in the original Muon) or "polar_express"."""
+    ns_dtype: Literal["fp32", "bf16"] = "fp32"
+    """Newton-Schulz matmul precision: "fp32" (fast on CPU) or "bf16" (fast on GPU)."""
+    comm_dtype: Literal["fp32", "bf16"] = "fp32"
+    """dtype of the momentum / update traffic between ranks: "fp32" or "bf16"."""
+    adjust_lr_fn: Literal["original", "match_rms_adamw"] = "original"
+    """"original": scale by sqrt(max(1, rows/cols)); "match_rms_adamw": 0.2*sqrt(max(rows, cols)),
+    which lets Muon reuse an AdamW learning rate."""
+    bucket_size_mb: float = 64.0
+    nonfinite_grads: Literal["raise", "skip"] = "raise"
+    """What to do with a NaN/inf gradient: "raise" on every rank, or "skip" the step."""
+
+    adamw_lr: float | None = None
+    """lr of the AdamW groups (embeddings, output head, norms); None = optimizer.lr."""
+    adamw_weight_decay: float | None = None
+    """None = optimizer.weight_decay. AdamW's betas and eps are optimizer.beta1/beta2/eps."""
+    adamw_patterns: list[str] = field(default_factory=list)
+    """Extra fnmatch patterns on parameter FQNs forced to AdamW, e.g. "layers.0.*"."""
+    muon_patterns: list[str] = field(default_factory=list)
+    """fnmatch patterns forced to Muon (2-D only); adamw_patterns win over these."""
+
+
+@dataclass
+class JobConfig:
+    optimizer: Optimizer = field(default_factory=Optimizer)
+
+
+# tyro checks these choices on the command line; TOML values are checked here.
+_CHOICES = {
+    name: get_args(hint)
+    for name, hint in get_type_hints(Optimizer).items()
+    if getattr(hint, "__origin__", None) is Literal
+}
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def validate_optimizer_config(config: Any) -> None:
+    """Raise ``ValueError`` naming the first bad ``[optimizer]`` key.
+
+    ``config`` is torchtitan's (merged) optimizer section. Without our fields merged in
+    (no custom_config_module), only ``name`` is checked.
+    """
+
+    def fail(key: str, expected: str) -> None:
+        raise ValueError(f"[optimizer] {key} must be {expected}, got {getattr(config, key)!r}")
+
+    if config.name not in OPTIMIZER_NAMES:
+        fail("name", f"one of {OPTIMIZER_NAMES}")
+    for key in ("lr", "eps", "weight_decay", "beta1", "beta2"):
+        if not _is_number(getattr(config, key)) or getattr(config, key) < 0:
+            fail(key, "a non-negative number")
+    for key in ("beta1", "beta2"):
+        if getattr(config, key) >= 1:
+            fail(key, "in [0, 1)")
+    if not hasattr(config, "momentum"):
+        if config.name == "Muon":
+            raise ValueError(
+                '[optimizer] name = "Muon" needs titan_muon\'s config fields: set '
+                '[job] custom_config_module = "titan_muon.torchtitan.config"'
+            )
+        return
+
+    if not _is_number(config.momentum) or not 0 <= config.momentum < 1:
+        fail("momentum", "in [0, 1)")
+    if not isinstance(config.nesterov, bool):
+        fail("nesterov", "true or false")
+    if not isinstance(config.ns_steps, int) or isinstance(config.ns_steps, bool) or config.ns_steps < 1:
+        fail("ns_steps", "a positive integer")
+    for key, choices in _CHOICES.items():
+        if getattr(config, key) not in choices:
+            fail(key, f"one of {choices}")
+    if not _is_number(config.bucket_size_mb) or config.bucket_size_mb <= 0:
+        fail("bucket_size_mb", "a positive number")
+    for key in ("adamw_lr", "adamw_weight_decay"):
+        value = getattr(config, key)
+        if value is not None and (not _is_number(value) or value < 0):
+            fail(key, "a non-negative number or unset")
+    for key in ("adamw_patterns", "muon_patterns"):
+        patterns = getattr(config, key)
+        if not isinstance(patterns, list) or not all(isinstance(p, str) for p in patterns):
+            fail(key, "a list of strings")

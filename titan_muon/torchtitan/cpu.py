@@ -1,0 +1,96 @@
+"""Run torchtitan 0.2.2's trainer on CPU processes talking over gloo.
+
+torchtitan assumes an accelerator: it reads the device type once, at import, from
+``torch._utils._get_available_device_type() or "cuda"``, so a CPU-only machine is
+treated as CUDA. Everything needed to train without a GPU lives in this module:
+
+1. :func:`use_cpu_device` points the module-level ``device_type`` / ``device_module``
+   names at the CPU. There is no extension point for this, so it rebinds those names in
+   the few torchtitan modules that imported them. It must run before the trainer is
+   built (the launcher does it first thing).
+2. :func:`force_sum_reductions` makes FSDP2 reduce gradients with plain SUM. torchtitan
+   disables FSDP's gradient division (it divides the loss by the global token count
+   instead); FSDP then asks for ``PREMUL_SUM(1.0)``, which gloo does not implement.
+   With a divide factor of 1, a SUM reduction is exactly the same math.
+
+On a CUDA machine none of this is used.
+"""
+
+import os
+import resource
+
+import torch
+import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule
+
+import torchtitan.components.metrics
+import torchtitan.distributed.parallel_dims
+import torchtitan.distributed.utils
+import torchtitan.tools.profiling
+import torchtitan.tools.utils
+
+
+class CPUDeviceModule:
+    """The slice of the ``torch.cuda`` API that torchtitan calls, answered for the CPU.
+
+    Memory figures are the process's peak resident set size: a CPU has no caching
+    allocator, so "active" and "reserved" are the same number, and peaks cannot be reset.
+    """
+
+    def set_device(self, device: torch.device) -> None:
+        pass
+
+    def current_device(self) -> int:
+        return 0
+
+    def synchronize(self) -> None:
+        pass
+
+    def empty_cache(self) -> None:
+        pass
+
+    def reset_peak_memory_stats(self) -> None:
+        pass
+
+    def get_device_name(self, device: torch.device | None = None) -> str:
+        return "CPU"
+
+    def get_device_properties(self, device: torch.device | None = None):
+        total_memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return type("CPUProperties", (), {"total_memory": total_memory})()
+
+    def memory_stats(self, device: torch.device | None = None) -> dict[str, int]:
+        peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+        return {
+            "active_bytes.all.peak": peak_rss,
+            "reserved_bytes.all.peak": peak_rss,
+            "num_alloc_retries": 0,
+            "num_ooms": 0,
+        }
+
+
+def should_use_cpu() -> bool:
+    return not torch.cuda.is_available()
+
+
+def use_cpu_device() -> None:
+    """Rebind torchtitan's import-time device choice to the CPU (and thus gloo)."""
+    device_module = CPUDeviceModule()
+    for module in (
+        torchtitan.tools.utils,
+        torchtitan.distributed.utils,
+        torchtitan.distributed.parallel_dims,
+        torchtitan.components.metrics,
+        torchtitan.tools.profiling,
+    ):
+        if hasattr(module, "device_type"):
+            module.device_type = "cpu"
+        if hasattr(module, "device_module"):
+            module.device_module = device_module
+
+
+def force_sum_reductions(model_parts: list[nn.Module]) -> None:
+    for model in model_parts:
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_force_sum_reduction_for_comms(True)

@@ -1,0 +1,91 @@
+"""``build_optimizers_fn`` for the titan_muon train specs.
+
+``[optimizer] name = "Muon"`` builds one :class:`titan_muon.Muon` per model part (Muon for
+hidden matrices, AdamW for embeddings, the output head, norms and biases), wrapped in a
+subclass of torchtitan's ``OptimizersContainer`` so its checkpointing (flattened DCP
+optimizer state dicts) and LR schedulers (one ``LambdaLR`` per optimizer, scaling every
+param group) work unchanged. Any other name goes to torchtitan's own builder.
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+import torch.nn as nn
+from torchtitan.components.optimizer import OptimizersContainer, build_optimizers as build_torchtitan_optimizers
+from torchtitan.distributed import ParallelDims
+
+from titan_muon import Muon, build_param_groups
+from titan_muon.torchtitan.config import validate_optimizer_config
+from titan_muon.torchtitan.metrics import time_optimizer_steps
+
+
+def muon_kwargs(config: Any) -> dict[str, Any]:
+    return dict(
+        lr=config.lr,
+        weight_decay=config.weight_decay,
+        momentum=config.momentum,
+        nesterov=config.nesterov,
+        ns_steps=config.ns_steps,
+        adjust_lr_fn=config.adjust_lr_fn,
+        ns_coefficients=config.ns_coefficients,
+        ns_dtype=config.ns_dtype,
+        comm_dtype=config.comm_dtype,
+        adamw_betas=(config.beta1, config.beta2),
+        adamw_eps=config.eps,
+        bucket_size_mb=config.bucket_size_mb,
+        nonfinite_grads=config.nonfinite_grads,
+    )
+
+
+def param_group_kwargs(config: Any) -> dict[str, Any]:
+    return dict(
+        adamw_lr=config.adamw_lr,
+        adamw_weight_decay=config.adamw_weight_decay,
+        adamw_patterns=config.adamw_patterns,
+        muon_patterns=config.muon_patterns,
+    )
+
+
+class MuonOptimizersContainer(OptimizersContainer):
+    """One :class:`titan_muon.Muon` per model part, with its own Muon / AdamW split."""
+
+    def __init__(self, model_parts: list[nn.Module], config: Any) -> None:
+        kwargs = muon_kwargs(config)
+        self.model_parts = model_parts
+        self.optimizers = [
+            Muon(build_param_groups(model.named_parameters(), **param_group_kwargs(config)), **kwargs)
+            for model in model_parts
+        ]
+        self._validate_length(len(model_parts))
+        params = [p for model in model_parts for p in model.parameters() if p.requires_grad]
+        self._post_init(params, kwargs)
+
+    @property
+    def last_step_metrics(self) -> dict[str, float]:
+        """The last step's Muon metrics; with several model parts (pipeline parallel), byte
+        counts and times are summed over parts and the other values averaged."""
+        per_part = [opt.last_step_metrics for opt in self.optimizers]
+        merged: dict[str, float] = {}
+        for key in per_part[0]:
+            values = [metrics.get(key, 0.0) for metrics in per_part]
+            additive = "bytes" in key or "time" in key
+            merged[key] = sum(values) if additive else sum(values) / len(values)
+        return merged
+
+
+def build_optimizers(
+    model_parts: list[nn.Module],
+    optimizer_config: Any,
+    parallel_dims: ParallelDims,
+    fallback: Callable[..., OptimizersContainer] = build_torchtitan_optimizers,
+    **kwargs,
+) -> OptimizersContainer:
+    validate_optimizer_config(optimizer_config)
+    if optimizer_config.name == "Muon":
+        if optimizer_config.early_step_in_backward:
+            raise ValueError('[optimizer] early_step_in_backward is not supported with name = "Muon"')
+        optimizers = MuonOptimizersContainer(model_parts, optimizer_config)
+    else:
+        optimizers = fallback(model_parts, optimizer_config, parallel_dims, **kwargs)
+    time_optimizer_steps(optimizers)
+    return optimizers

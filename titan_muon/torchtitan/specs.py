@@ -1,0 +1,79 @@
+"""The train specs ``titan_muon_llama3`` and ``titan_muon_mla``.
+
+Each is torchtitan's own spec (``llama3``, ``deepseek_v3``) with four swaps: our optimizer
+builder, our metrics processor, the offline tokenizer, and a few extra small model flavors.
+Select one with ``[model] name = "titan_muon_llama3"`` and
+``[experimental] custom_import = "titan_muon.torchtitan"``.
+"""
+
+import dataclasses
+from collections.abc import Mapping
+
+from torchtitan.components.optimizer import build_optimizers_with_moe_load_balancing
+from torchtitan.models.deepseek_v3 import DeepSeekV3ModelArgs
+from torchtitan.models.llama3 import TransformerModelArgs
+from torchtitan.protocols.train_spec import TrainSpec, get_train_spec, register_train_spec
+
+from titan_muon.torchtitan.data import build_tokenizer
+from titan_muon.torchtitan.metrics import build_metrics_processor
+from titan_muon.torchtitan.optimizer import build_optimizers
+
+LLAMA3_FLAVORS = {
+    # Grouped-query attention: 8 query heads share 2 key/value heads.
+    "debugmodel_gqa": TransformerModelArgs(
+        dim=256, n_layers=4, n_heads=8, n_kv_heads=2, vocab_size=2048, rope_theta=500000
+    ),
+    "tiny_gqa": TransformerModelArgs(  # for tests
+        dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=2048, multiple_of=64, rope_theta=500000
+    ),
+}
+
+# Multi-head latent attention (DeepSeek-V3) with dense MLPs in every layer
+# (n_dense_layers = n_layers): torchtitan 0.2.2's MoE layer fails on CPU
+# ("histogram_cpu" not implemented for 'Long' when it counts tokens per expert).
+MLA_FLAVORS = {
+    "debugmodel_dense": DeepSeekV3ModelArgs(
+        vocab_size=2048, dim=256, inter_dim=768, n_layers=4, n_dense_layers=4, n_heads=8,
+        q_lora_rank=128, kv_lora_rank=128, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
+    ),
+    "tiny_dense": DeepSeekV3ModelArgs(  # for tests
+        vocab_size=2048, dim=64, inter_dim=128, n_layers=2, n_dense_layers=2, n_heads=4,
+        q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+    ),
+}  # fmt: skip
+
+
+def _tokenizer_for(model_args: Mapping):
+    def build(job_config):
+        return build_tokenizer(job_config, vocab_size=model_args[job_config.model.flavor].vocab_size)
+
+    return build
+
+
+def _with_titan_muon(base: TrainSpec, extra_flavors: dict, build_optimizers_fn) -> TrainSpec:
+    model_args = {**base.model_args, **extra_flavors}
+    return dataclasses.replace(
+        base,
+        model_args=model_args,
+        build_optimizers_fn=build_optimizers_fn,
+        build_tokenizer_fn=_tokenizer_for(model_args),
+        build_metrics_processor_fn=build_metrics_processor,
+    )
+
+
+def _build_mla_optimizers(model_parts, optimizer_config, parallel_dims, **kwargs):
+    if optimizer_config.name == "Muon" and any(
+        getattr(block, "moe_enabled", False) for model in model_parts for block in model.get_submodule("layers").children()
+    ):
+        raise ValueError(
+            '[optimizer] name = "Muon" supports the dense flavors of titan_muon_mla only '
+            "(MoE experts are 3-D and need torchtitan's expert-bias hook); use a *_dense flavor"
+        )
+    return build_optimizers(
+        model_parts, optimizer_config, parallel_dims, fallback=build_optimizers_with_moe_load_balancing, **kwargs
+    )
+
+
+def register_train_specs() -> None:
+    register_train_spec("titan_muon_llama3", _with_titan_muon(get_train_spec("llama3"), LLAMA3_FLAVORS, build_optimizers))
+    register_train_spec("titan_muon_mla", _with_titan_muon(get_train_spec("deepseek_v3"), MLA_FLAVORS, _build_mla_optimizers))
