@@ -11,6 +11,7 @@ from torchtitan.config import JobConfig
 from torchtitan.train import Trainer as TorchTitanTrainer, main
 
 from titan_muon.torchtitan import cpu
+from titan_muon.torchtitan.checkpoint import check_before_resume
 from titan_muon.torchtitan.config import validate_optimizer_config
 
 
@@ -20,6 +21,10 @@ class Trainer(TorchTitanTrainer):
         super().__init__(job_config)
         if cpu.should_use_cpu():
             cpu.force_sum_reductions(self.model_parts)
+
+    def train(self):
+        check_before_resume(self.checkpointer, self.job_config.checkpoint)
+        super().train()
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ LLAMA3_FLAVORS = {
 # ("histogram_cpu" not implemented for 'Long' when it counts tokens per expert).
 MLA_FLAVORS = {
     "debugmodel_dense": DeepSeekV3ModelArgs(
-        vocab_size=2048, dim=256, inter_dim=768, n_layers=4, n_dense_layers=4, n_heads=8,
+        vocab_size=2048, dim=256, inter_dim=768, n_layers=3, n_dense_layers=3, n_heads=8,
         q_lora_rank=128, kv_lora_rank=128, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
     ),
     "tiny_dense": DeepSeekV3ModelArgs(  # for tests
