@@ -31,6 +31,11 @@ def test_unit_rows_on_each_rank_cover_the_unit_once():
             lo, hi = unit.rows_on(r, world)
             assert 0 <= lo <= hi <= unit.rows
             covered += range(lo, hi)
+            shard_start, shard_end = shard_rows(rows, world)[r]
+            local_lo, local_hi = unit.rows_in_shard(r, world)
+            assert local_hi - local_lo == hi - lo
+            if hi > lo:
+                assert shard_start + local_lo == start + lo and shard_start + local_hi <= shard_end
         assert covered == list(range(unit.rows))
 
 

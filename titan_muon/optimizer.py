@@ -351,7 +351,8 @@ class Muon(Optimizer):
             received = exchange.wait()
             offset = 0
             for entry, lo, hi, n in pieces:
-                results[id(entry)][lo:hi].copy_(received[offset : offset + n].view(hi - lo, -1))
+                rows = results[id(entry)][lo:hi]
+                rows.copy_(received[offset : offset + n].view(rows.shape))
                 offset += n
         return results
 
@@ -361,7 +362,7 @@ class Muon(Optimizer):
         pieces = []
         for u in sorted(self.plan.buckets[bucket], key=lambda u: self.plan.owners[u]):
             unit = self.plan.units[u]
-            lo, hi = unit.rows_on(rank, world)
+            lo, hi = unit.rows_in_shard(rank, world)
             pieces.append((self._unit_param[u], lo, hi, (hi - lo) * unit.cols))
         return pieces
 

@@ -50,6 +50,12 @@ class Unit:
         end = max(start, min(shard_end, self.row_end))
         return start - self.row_start, end - self.row_start
 
+    def rows_in_shard(self, rank: int, world_size: int) -> tuple[int, int]:
+        """The same rows as offsets into `rank`'s local shard of the parameter."""
+        lo, hi = self.rows_on(rank, world_size)
+        shard_start = shard_rows(self.param_rows, world_size)[rank][0]
+        return lo + self.row_start - shard_start, hi + self.row_start - shard_start
+
     def numel_on(self, rank: int, world_size: int) -> int:
         start, end = self.rows_on(rank, world_size)
         return (end - start) * self.cols

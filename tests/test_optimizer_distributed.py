@@ -1,0 +1,182 @@
+"""W ranks (gloo, CPU) compute what one process computes: hand-made DTensors, HSDP, a real FSDP2 model.
+
+Every run goes through tests/distributed.py, which kills all ranks and fails after a timeout.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+from common import grads_for, make_params, run_titan
+from distributed import RankError, run_distributed
+from titan_muon import Muon
+
+# Uneven dim 0 (30, 63 on 2/4 ranks), fewer rows than ranks (3 on 4), wide and tall, plus AdamW tensors.
+SHAPES = {"a": (30, 64), "b": (63, 64), "c": (3, 256), "d": (64, 30), "e": (48, 48), "emb": (50, 16), "bias": (17,)}
+MUON = {"a", "b", "c", "d", "e"}
+SETTINGS = dict(lr=0.02, weight_decay=0.1, momentum=0.9, adjust_lr_fn="match_rms_adamw", bucket_size_mb=0.01)
+
+
+def _distributed_params(mesh, placements, shapes=SHAPES, seed=0):
+    module = nn.Module()
+    for name, full in make_params(seed, shapes).items():
+        module.register_parameter(name, nn.Parameter(distribute_tensor(full, mesh, placements, src_data_rank=None)))
+    return module
+
+
+def _optimizer(module, **overrides):
+    named = dict(module.named_parameters())
+    groups = [
+        {"params": [(n, named[n]) for n in named if n in MUON]},
+        {"params": [(n, named[n]) for n in named if n not in MUON], "use_muon": False},
+    ]
+    return Muon(groups, **{**SETTINGS, **overrides})
+
+
+def _set_grads(module, step, mesh, placements):
+    full = grads_for(step, dict(module.named_parameters()))
+    for name, p in module.named_parameters():
+        p.grad = distribute_tensor(full[name], mesh, placements, src_data_rank=None)
+
+
+def _dtensor_run(rank, world, mesh_shape, steps, overrides):
+    mesh = init_device_mesh("cpu", mesh_shape)
+    placements = [Shard(0)] if len(mesh_shape) == 1 else [Replicate(), Shard(0)]
+    module = _distributed_params(mesh, placements)
+    opt = _optimizer(module, **overrides)
+    for s in range(steps):
+        _set_grads(module, s, mesh, placements)
+        opt.step()
+    local_muon_bytes = sum(p.to_local().numel() * 4 for n, p in module.named_parameters() if n in MUON)
+    return {
+        "params": {n: p.full_tensor() for n, p in module.named_parameters()},
+        "bytes_sent": opt.last_step_metrics["muon/bytes_sent"],
+        "local_muon_bytes": local_muon_bytes,
+    }
+
+
+def _one_process(steps, **overrides):
+    params = make_params(0, SHAPES)
+    out, _ = run_titan(params, steps, MUON, **{**SETTINGS, **overrides})
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_sharded_run_equals_one_process(world):
+    results = run_distributed(_dtensor_run, world, (world,), 4, {})
+    expected = _one_process(4)
+    for r, result in enumerate(results):
+        for name in SHAPES:
+            diff = (result["params"][name] - expected[name]).abs().max().item()
+            assert diff <= 1e-5, (world, r, name, diff)
+        # Communication accounting: outbound shards + returning rows of owned matrices.
+        ratio = result["bytes_sent"] / result["local_muon_bytes"]
+        print(f"W={world} rank {r}: Muon bytes sent {result['bytes_sent']:.0f} = {ratio:.2f}x local shard bytes")
+        assert 0 < result["bytes_sent"] <= 2 * result["local_muon_bytes"]
+
+
+def test_hsdp_mesh_equals_one_process():
+    results = run_distributed(_dtensor_run, 4, (2, 2), 3, {})
+    expected = _one_process(3)
+    for result in results:
+        for name in SHAPES:
+            assert (result["params"][name] - expected[name]).abs().max().item() <= 1e-5, name
+
+
+def test_bf16_communication_and_polar_express_stay_close_to_one_process():
+    overrides = {"comm_dtype": "bf16", "ns_coefficients": "polar_express"}
+    results = run_distributed(_dtensor_run, 2, (2,), 2, overrides)
+    expected = _one_process(2, ns_coefficients="polar_express")
+    for name in MUON:
+        delta = expected[name] - make_params(0, SHAPES)[name]
+        err = (results[0]["params"][name] - expected[name]).abs().max() / delta.abs().max()
+        assert err < 0.02, (name, err)
+
+
+# ---------------------------------------------------------------- a real FSDP2 model
+
+
+class Block(nn.Module):
+    def __init__(self, dim, hidden, kv):
+        super().__init__()
+        self.norm = nn.RMSNorm(dim)
+        self.wq, self.wk, self.wo = nn.Linear(dim, dim, bias=False), nn.Linear(dim, kv, bias=False), nn.Linear(kv, dim, bias=False)
+        self.w1, self.w2 = nn.Linear(dim, hidden, bias=True), nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, h):
+        x = self.norm(h)
+        h = h + self.wo(torch.tanh(self.wk(x))) + self.wq(x).relu()
+        return h + self.w2(nn.functional.gelu(self.w1(self.norm(h))))
+
+
+class TinyTransformerish(nn.Module):
+    """Uneven shapes on purpose: 63 hidden rows, 6 KV rows, a 40-row output head."""
+
+    def __init__(self, vocab=40, dim=24, hidden=63, kv=6):
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList([Block(dim, hidden, kv) for _ in range(2)])
+        self.norm = nn.RMSNorm(dim)
+        self.output = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens):
+        h = self.tok_embeddings(tokens)
+        for block in self.layers:
+            h = block(h)
+        return self.output(self.norm(h))
+
+
+def _batches(step, batch=12, seq=5, vocab=40):
+    g = torch.Generator().manual_seed(7 + step)
+    return torch.randint(0, vocab, (batch, seq + 1), generator=g)
+
+
+def _loss(model, tokens):
+    logits = model(tokens[:, :-1])
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), tokens[:, 1:].reshape(-1))
+
+
+def _fsdp_run(rank, world, steps):
+    from titan_muon import build_param_groups
+
+    torch.manual_seed(0)
+    model = TinyTransformerish()
+    mesh = init_device_mesh("cpu", (world,))
+    for block in model.layers:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
+    opt = Muon(build_param_groups(model, adamw_lr=3e-3), lr=0.02, adjust_lr_fn="match_rms_adamw")
+    losses = []
+    for s in range(steps):
+        tokens = _batches(s).chunk(world)[rank]
+        loss = _loss(model, tokens)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach().clone())
+    dist.all_reduce(torch.stack(losses))
+    return {n: p.full_tensor() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_fsdp2_model_equals_one_process(world):
+    from titan_muon import build_param_groups
+
+    results = run_distributed(_fsdp_run, world, 3)
+    torch.manual_seed(0)
+    model = TinyTransformerish()
+    opt = Muon(build_param_groups(model, adamw_lr=3e-3), lr=0.02, adjust_lr_fn="match_rms_adamw")
+    for s in range(3):
+        _loss(model, _batches(s)).backward()
+        opt.step()
+        opt.zero_grad()
+    for name, p in model.named_parameters():
+        for result in results:
+            assert (result[name] - p.detach()).abs().max().item() <= 1e-5, name

@@ -1,0 +1,59 @@
+"""Start ``titan_muon.train`` under torchrun and read back what it logged.
+
+Used by the tests and by scripts/compare_optimizers.py. Every launch has a timeout, so a
+hung collective fails the caller instead of blocking it.
+"""
+
+import glob
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def torchrun_command(config: str, overrides: list[str], nproc: int = 2, rdzv: list[str] | None = None) -> list[str]:
+    rendezvous = rdzv if rdzv is not None else ["--standalone"]
+    return [
+        sys.executable, "-m", "torch.distributed.run", *rendezvous, "--nproc-per-node", str(nproc),
+        "--local-ranks-filter", "0", "-m", "titan_muon.train", "--job.config_file", config, *overrides,
+    ]  # fmt: skip
+
+
+def run_training(
+    config: str, overrides: list[str], nproc: int = 2, timeout: float = 300, check: bool = True
+) -> subprocess.CompletedProcess:
+    """Run to completion; with ``check``, raise with the log's tail if it failed."""
+    result = subprocess.run(
+        torchrun_command(config, overrides, nproc),
+        cwd=REPO_ROOT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    if check and result.returncode != 0:
+        raise RuntimeError(f"training failed (exit {result.returncode}):\n{log_tail(result)}")
+    return result
+
+
+def log_tail(result: subprocess.CompletedProcess, chars: int = 6000) -> str:
+    return (result.stdout + result.stderr)[-chars:]
+
+
+def read_scalars(dump_folder: str, tag: str) -> dict[int, float]:
+    """``{step: value}`` of one TensorBoard tag over all runs logged under ``dump_folder``."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    values = {}
+    for run_dir in sorted(glob.glob(os.path.join(dump_folder, "tb", "*"))):
+        events = EventAccumulator(run_dir, size_guidance={"scalars": 0})
+        events.Reload()
+        if tag in events.Tags()["scalars"]:
+            values.update({event.step: event.value for event in events.Scalars(tag)})
+    return values
+
+
+def read_losses(dump_folder: str) -> dict[int, float]:
+    return read_scalars(dump_folder, "loss_metrics/global_avg_loss")
