@@ -51,13 +51,14 @@ def read_text_files(root: str, suffixes: tuple[str, ...], split: str) -> list[st
     if not root_path.is_dir():
         raise FileNotFoundError(f"dataset directory {root!r} does not exist")
     keyed = []
-    for path in root_path.rglob("*"):
-        relative = path.relative_to(root_path)
-        if path.suffix not in suffixes or _SKIPPED_DIRS.intersection(relative.parts[:-1]):
-            continue
-        key = _file_key(relative.as_posix())
-        if (key % _VALIDATION_ONE_IN == 0) == (split == "validation") and path.is_file():
-            keyed.append((key, relative.as_posix(), path))
+    for directory, subdirectories, names in os.walk(root_path):
+        subdirectories[:] = [d for d in subdirectories if d not in _SKIPPED_DIRS]
+        for name in names:
+            path = Path(directory, name)
+            relative = path.relative_to(root_path).as_posix()
+            key = _file_key(relative)
+            if path.suffix in suffixes and (key % _VALIDATION_ONE_IN == 0) == (split == "validation"):
+                keyed.append((key, relative, path))
     keyed.sort()
     texts = [path.read_bytes().decode("utf-8", errors="replace") for _, _, path in keyed]
     if not texts:

@@ -1,0 +1,144 @@
+"""The TorchTitan adapter in one process: config fields, optimizer container, data, checks."""
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from torchtitan.components.lr_scheduler import build_lr_schedulers
+from torchtitan.config import ConfigManager
+from torchtitan.models.llama3 import Transformer
+
+import titan_muon.torchtitan  # noqa: F401  (registers specs and datasets)
+from titan_muon.torchtitan.checkpoint import CheckpointError, checkpoint_to_resume
+from titan_muon.torchtitan.config import validate_optimizer_config
+from titan_muon.torchtitan.data import ensure_offline_tokenizer, read_text_files
+from titan_muon.torchtitan.metrics import optimizer_metrics
+from titan_muon.torchtitan.optimizer import MuonOptimizersContainer
+from titan_muon.torchtitan.specs import LLAMA3_FLAVORS
+
+REPO = Path(__file__).resolve().parents[1]
+MUON_TOML = str(REPO / "train_configs" / "llama3_gqa_muon.toml")
+
+
+def parse(*args: str, toml: str = MUON_TOML):
+    return ConfigManager().parse_args(["--job.config_file", toml, *args])
+
+
+def test_toml_and_cli_reach_the_optimizer_section():
+    config = parse("--optimizer.ns_steps", "3", "--optimizer.adamw_patterns", "layers.0.*,norm.weight")
+    optimizer = config.optimizer
+    assert (optimizer.name, optimizer.lr, optimizer.momentum) == ("Muon", 0.02, 0.95)
+    assert optimizer.ns_steps == 3
+    assert optimizer.adamw_patterns == ["layers.0.*", "norm.weight"]
+    assert optimizer.beta2 == 0.95  # torchtitan's own fields are still there
+    validate_optimizer_config(optimizer)
+
+
+def test_unknown_optimizer_key_is_named(tmp_path):
+    toml = tmp_path / "bad.toml"
+    toml.write_text(Path(MUON_TOML).read_text().replace("ns_steps = 5", "ns_step = 5"))
+    with pytest.raises(ValueError, match="ns_step"):
+        parse(toml=str(toml))
+
+
+@pytest.mark.parametrize(
+    "line, key",
+    [
+        ('ns_dtype = "fp16"', "ns_dtype"),
+        ("ns_steps = 0", "ns_steps"),
+        ("momentum = 1.5", "momentum"),
+        ('adamw_patterns = "layers.*"', "adamw_patterns"),
+        ('name = "Lion"', "name"),
+    ],
+)
+def test_invalid_optimizer_value_is_named(tmp_path, line, key):
+    text = Path(MUON_TOML).read_text().replace("[optimizer]\n", f"[optimizer]\n{line}\n", 1)
+    text = "\n".join(row for row in text.splitlines() if not (row.split("=")[0].strip() == key and row != line))
+    toml = tmp_path / "bad.toml"
+    toml.write_text(text)
+    with pytest.raises(ValueError, match=rf"\[optimizer\] {key}"):
+        validate_optimizer_config(parse(toml=str(toml)).optimizer)
+
+
+def test_muon_without_config_module_is_explained(tmp_path):
+    toml = tmp_path / "plain.toml"
+    toml.write_text(
+        '[job]\ndump_folder = "x"\n[model]\nname = "titan_muon_llama3"\n[optimizer]\nname = "Muon"\n'
+    )
+    with pytest.raises(ValueError, match="custom_config_module"):
+        validate_optimizer_config(parse(toml=str(toml)).optimizer)
+
+
+def tiny_llama() -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = Transformer(LLAMA3_FLAVORS["tiny_gqa"])
+    with torch.no_grad():
+        model.init_weights()
+    return model
+
+
+def test_container_splits_muon_and_adamw_and_follows_the_lr_schedule():
+    config = parse("--optimizer.adamw_lr", "0.004", "--optimizer.adamw_patterns", "layers.0.feed_forward.*")
+    model = tiny_llama()
+    container = MuonOptimizersContainer([model], config.optimizer)
+    (optimizer,) = container.optimizers
+    groups = {group["use_muon"]: group for group in optimizer.param_groups}
+    muon_names, adamw_names = set(groups[True]["param_names"]), set(groups[False]["param_names"])
+    assert "layers.1.attention.wk.weight" in muon_names
+    assert {"tok_embeddings.weight", "output.weight", "norm.weight", "layers.0.feed_forward.w1.weight"} <= adamw_names
+    assert (groups[True]["lr"], groups[False]["lr"]) == (0.02, 0.004)
+
+    schedulers = build_lr_schedulers(container, config.lr_scheduler, training_steps=10)
+    tokens = torch.randint(0, 2048, (2, 16))
+    for _ in range(2):
+        container.zero_grad()
+        model(tokens).float().logsumexp(-1).mean().backward()
+        container.step()
+        schedulers.step()
+    assert groups[True]["lr"] / 0.02 == pytest.approx(groups[False]["lr"] / 0.004)
+    assert set(optimizer_metrics(container)) >= {"muon/update_rms", "muon/bytes_sent"}
+
+    state = container.state_dict()  # torchtitan's flattened DCP form
+    assert "state.layers.1.attention.wq.weight.momentum_buffer" in state
+    assert "state.output.weight.exp_avg_sq" in state
+
+
+def test_text_files_split_is_fixed_and_disjoint(tmp_path):
+    for i in range(60):
+        (tmp_path / f"m{i}.py").write_text(f"x = {i}\n")
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "skipped.py").write_text("skipped = True\n")
+    train = read_text_files(str(tmp_path), (".py",), "train")
+    validation = read_text_files(str(tmp_path), (".py",), "validation")
+    assert len(train) + len(validation) == 60 and not set(train) & set(validation)
+    assert train == read_text_files(str(tmp_path), (".py",), "train")
+    assert "skipped = True\n" not in train
+
+
+def test_offline_tokenizer_is_deterministic_and_cached(tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(40):
+        (corpus / f"f{i}.py").write_text(f"def function_{i}(value):\n    return value * {i} + len('{i}')\n" * 5)
+    first, second = tmp_path / "a", tmp_path / "b"
+    ensure_offline_tokenizer(str(first), str(corpus), (".py",), vocab_size=300)
+    ensure_offline_tokenizer(str(second), str(corpus), (".py",), vocab_size=300)
+    assert (first / "tokenizer.json").read_bytes() == (second / "tokenizer.json").read_bytes()
+    stamp = os.path.getmtime(first / "tokenizer.json")
+    ensure_offline_tokenizer(str(first), str(corpus), (".py",), vocab_size=300)
+    assert os.path.getmtime(first / "tokenizer.json") == stamp
+
+
+def test_incomplete_newest_checkpoint_is_refused(tmp_path):
+    for step, complete in ((10, True), (20, True), (30, False)):
+        (tmp_path / f"step-{step}").mkdir()
+        if complete:
+            (tmp_path / f"step-{step}" / ".metadata").write_bytes(b"")
+    with pytest.raises(CheckpointError, match="step-30 is incomplete"):
+        checkpoint_to_resume(str(tmp_path), load_step=-1)
+    assert checkpoint_to_resume(str(tmp_path), load_step=20) == (20, str(tmp_path / "step-20"))
+    (tmp_path / "step-30").rmdir()
+    (tmp_path / "step-5").mkdir()  # an older leftover (say, an interrupted purge) is ignored
+    assert checkpoint_to_resume(str(tmp_path), load_step=-1) == (20, str(tmp_path / "step-20"))
+    assert checkpoint_to_resume(str(tmp_path / "absent"), load_step=-1) is None
