@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.optim import Optimizer
 from torch.optim.adamw import adamw as adamw_functional
 
-from titan_muon.newton_schulz import NS_METHODS, coefficient_schedule, orthogonalize
+from titan_muon.newton_schulz import NS_METHODS, coefficient_schedule, newton_schulz_flops, orthogonalize
 from titan_muon.plan import Plan, Unit, build_plan, shard_rows
 from titan_muon.transport import Exchange, Transport
 from titan_muon.update import ADJUST_LR_FNS, apply_update, momentum_step, update_scale
@@ -118,6 +118,7 @@ class Muon(Optimizer):
         self._layout_ready = False
         super().__init__(params, defaults)
         self.skipped_steps = 0
+        self._ns_seconds, self._ns_flops = 0.0, 0
         self.last_step_metrics: dict[str, float] = {}
         self._build_layout()
 
@@ -222,6 +223,7 @@ class Muon(Optimizer):
                 loss = closure()
         started = time.perf_counter()
         self.transport.bytes_sent = self.transport.bytes_received = 0
+        self._ns_seconds, self._ns_flops = 0.0, 0
         self._ensure_state()
         no_grad_anywhere = self._check_gradients()
         if no_grad_anywhere is None:  # non-finite gradients with nonfinite_grads="skip"
@@ -235,6 +237,8 @@ class Muon(Optimizer):
             "muon/step_time_ms": 1e3 * (time.perf_counter() - started),
             "muon/bytes_sent": float(self.transport.bytes_sent),
             "muon/bytes_received": float(self.transport.bytes_received),
+            "muon/ns_time_ms": 1e3 * self._ns_seconds,
+            "muon/ns_flops": float(self._ns_flops),
             "muon/skipped_steps": float(self.skipped_steps),
         }
         return loss
@@ -376,7 +380,10 @@ class Muon(Optimizer):
         for (shape, steps, _, eps, adjust_lr_fn), members in batches.items():
             method = jobs[members[0]][0].group["ns_coefficients"]
             stacked = torch.stack([jobs[i][1] for i in members])
+            started = time.perf_counter()
             ortho = orthogonalize(stacked, steps, method, self.ns_dtype, eps)
+            self._ns_seconds += time.perf_counter() - started
+            self._ns_flops += len(members) * newton_schulz_flops(*shape, steps)
             ortho = ortho.float().mul_(update_scale(adjust_lr_fn, *shape))
             for k, i in enumerate(members):
                 outs[i] = ortho[k]
