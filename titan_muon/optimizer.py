@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -29,6 +30,7 @@ from torch.optim.adamw import adamw as adamw_functional
 
 from titan_muon.newton_schulz import NS_METHODS, coefficient_schedule, newton_schulz_flops, orthogonalize
 from titan_muon.plan import Plan, Unit, build_plan, shard_rows
+from titan_muon.split import RowBlocks, match_row_blocks, row_block_ranges
 from titan_muon.transport import Exchange, Transport
 from titan_muon.update import ADJUST_LR_FNS, apply_update, momentum_step, update_scale
 
@@ -44,7 +46,6 @@ class _MuonParam:
     name: str
     group: dict
     sharded: bool  # rows spread over the process group (else the whole matrix is local)
-    units: list[int] = field(default_factory=list)  # plan units (sharded) or local units
 
 
 def _local(t: Tensor) -> Tensor:
@@ -73,6 +74,9 @@ class Muon(Optimizer):
         bucket_size_mb: size of one all-to-all bucket (fp32 MiB of whole matrices).
         nonfinite_grads: "raise" (default) raises on every rank; "skip" skips the whole step
             on every rank, state untouched, counted in ``last_step_metrics``.
+        row_blocks: Muon Split. Maps FQN patterns (fnmatch) to row-block sizes: an int (one
+            block per attention head) or a repeating sequence (e.g. ``(q_nope, q_rope)``).
+            Each block is orthogonalized on its own and scaled by its own shape.
     """
 
     def __init__(
@@ -93,6 +97,7 @@ class Muon(Optimizer):
         adamw_eps: float = 1e-8,
         bucket_size_mb: float = 64.0,
         nonfinite_grads: str = "raise",
+        row_blocks: Mapping[str, RowBlocks] | None = None,
     ):
         self.ns_dtype = _dtype(ns_dtype, "ns_dtype")
         self.comm_dtype = _dtype(comm_dtype, "comm_dtype")
@@ -101,6 +106,7 @@ class Muon(Optimizer):
         if not bucket_size_mb > 0:
             raise ValueError(f"titan_muon.Muon: bucket_size_mb must be > 0, got {bucket_size_mb}")
         self.nonfinite_grads = nonfinite_grads
+        self.row_blocks = dict(row_blocks or {})
         self.bucket_bytes = int(bucket_size_mb * 2**20)
         defaults = dict(
             lr=lr,
@@ -180,21 +186,19 @@ class Muon(Optimizer):
                     )
 
         # Buckets follow reverse parameter order: the order in which backward finishes gradients.
+        blocks = match_row_blocks([e.name for e in self._muon_params], self.row_blocks)
         units: list[Unit] = []
+        self._unit_param: list[_MuonParam] = []
         self._local_units: list[tuple[_MuonParam, int, int]] = []  # (param, row_start, row_end)
-        for entry in reversed(self._muon_params):
+        for index in reversed(range(len(self._muon_params))):
+            entry = self._muon_params[index]
             rows, cols = entry.param.shape
-            if entry.sharded:
-                entry.units = [len(units)]
-                units.append(Unit(len(units), 0, rows, cols, rows))
-            else:
-                entry.units = [len(self._local_units)]
-                self._local_units.append((entry, 0, rows))
-        self._unit_param: list[_MuonParam] = [None] * len(units)
-        for entry in self._muon_params:
-            if entry.sharded:
-                for u in entry.units:
-                    self._unit_param[u] = entry
+            for start, end in row_block_ranges(rows, blocks.get(entry.name, rows), entry.name):
+                if entry.sharded:
+                    units.append(Unit(index, start, end, cols, rows))
+                    self._unit_param.append(entry)
+                else:
+                    self._local_units.append((entry, start, end))
         self.plan: Plan = build_plan(units, world, self.bucket_bytes)
         self.transport.check_same_everywhere(self.plan.fingerprint(), "the Muon ownership plan")
         self._layout_ready = True

@@ -1,0 +1,51 @@
+"""Muon Split: orthogonalize row blocks of a matrix (attention heads) instead of the whole matrix.
+
+A stacked projection such as W_q (n_heads·head_dim × dim) is n_heads matrices, one per head;
+GLM-4.5/GLM-5 orthogonalize each head's block on its own. A block is a unit of its own for the
+ownership plan, so a head whose rows straddle two FSDP shards is assembled on its owner like
+any whole matrix, and each block's update is scaled by its own shape.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from fnmatch import fnmatchcase
+
+from titan_muon.param_groups import clean_fqn
+
+RowBlocks = int | Sequence[int]
+
+
+def row_block_ranges(rows: int, pattern: RowBlocks, name: str = "parameter") -> list[tuple[int, int]]:
+    """[start, end) of each block when `pattern` (block sizes, repeated) tiles `rows` exactly.
+
+    An int is one block size (per-head split); a sequence is a repeating group of sizes, e.g.
+    (q_nope_dim, q_rope_dim) for the finer MLA split.
+    """
+    sizes = [pattern] if isinstance(pattern, int) else list(pattern)
+    if not sizes or any(not isinstance(s, int) or s <= 0 for s in sizes):
+        raise ValueError(f"titan_muon split: row blocks of {name!r} must be positive integers, got {pattern!r}")
+    period = sum(sizes)
+    if rows % period:
+        raise ValueError(f"titan_muon split: {name!r} has {rows} rows, not a multiple of its row-block pattern {sizes} (sum {period})")
+    ranges, start = [], 0
+    while start < rows:
+        for size in sizes:
+            ranges.append((start, start + size))
+            start += size
+    return ranges
+
+
+def match_row_blocks(names: Sequence[str], row_blocks: Mapping[str, RowBlocks]) -> dict[str, RowBlocks]:
+    """Resolve fnmatch patterns on FQNs to each matched parameter's pattern; the first match wins.
+
+    A pattern that matches none of `names` is an error: a typo must not silently disable Split.
+    """
+    resolved: dict[str, RowBlocks] = {}
+    for pattern, blocks in row_blocks.items():
+        matched = [n for n in names if fnmatchcase(clean_fqn(n), pattern) or n == pattern]
+        if not matched:
+            raise ValueError(f"titan_muon split: pattern {pattern!r} matches no Muon parameter")
+        for name in matched:
+            resolved.setdefault(name, blocks)
+    return resolved
