@@ -1,0 +1,158 @@
+"""titan_muon.train under torchrun on CPU/gloo: tiny models, a few steps each.
+
+Every launch goes through a subprocess with a timeout, so a hang fails the test. One
+2-rank reference run (8 steps, checkpoint at step 4) is shared by most tests.
+"""
+
+import shutil
+import socket
+import subprocess
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer
+
+from titan_muon.torchtitan.launch import REPO_ROOT, log_tail, read_losses, read_scalars, run_training, torchrun_command
+
+pytestmark = pytest.mark.timeout(900)
+
+MUON = "train_configs/llama3_gqa_muon.toml"
+STEPS, RESUME_STEP = 8, 4
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("torchtitan")
+
+
+def tiny(workdir: Path, dump: str, *extra: str) -> list[str]:
+    return [
+        "--model.flavor", "tiny_gqa", "--training.seq_len", "64", "--training.local_batch_size", "2",
+        "--training.steps", str(STEPS), "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1",
+        "--metrics.disable_color_printing", "--model.hf_assets_path", str(workdir / "tokenizer"),
+        "--job.dump_folder", str(workdir / dump), *extra,
+    ]  # fmt: skip
+
+
+CHECKPOINT_AT_RESUME_STEP = [
+    "--checkpoint.enable", "--checkpoint.interval", str(RESUME_STEP), "--checkpoint.no-last-save-model-only",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def reference(workdir) -> Path:
+    """2 ranks, 8 steps of Muon on the stdlib corpus, checkpoints at steps 4 and 8."""
+    run_training(MUON, tiny(workdir, "reference", *CHECKPOINT_AT_RESUME_STEP))
+    return workdir / "reference"
+
+
+def copy_checkpoint(reference: Path, workdir: Path, dump: str, step: int = RESUME_STEP) -> Path:
+    target = workdir / dump / "checkpoint" / f"step-{step}"
+    shutil.copytree(reference / "checkpoint" / f"step-{step}", target)
+    return target
+
+
+def test_muon_run_logs_loss_and_optimizer_metrics(reference):
+    losses = read_losses(str(reference))
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    assert losses[STEPS] < losses[1]
+    for tag in ("grad_norm", "muon/update_rms", "muon/bytes_sent", "muon/step_time_ms", "optimizer/step_time_ms"):
+        values = read_scalars(str(reference), tag)
+        assert sorted(values) == list(range(1, STEPS + 1)), tag
+        assert all(value > 0 for value in values.values()), tag
+
+
+def test_resume_continues_exactly_like_the_straight_run(reference, workdir):
+    copy_checkpoint(reference, workdir, "resumed")
+    run_training(MUON, tiny(workdir, "resumed", *CHECKPOINT_AT_RESUME_STEP))
+    straight, resumed = read_losses(str(reference)), read_losses(str(workdir / "resumed"))
+    assert sorted(resumed) == list(range(RESUME_STEP + 1, STEPS + 1))
+    assert resumed == {step: straight[step] for step in resumed}  # bit for bit
+
+
+def one_sequence_corpus(workdir: Path, tokenizer_dir: Path, seq_len: int = 64) -> Path:
+    """Text files that each tokenize to exactly one training sequence, all the same.
+
+    Every rank then sees the same batch at every step, whatever the world size and the
+    data position, so runs on different numbers of ranks must produce the same losses.
+    """
+    tokenizer = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    source = (REPO_ROOT / "titan_muon" / "torchtitan" / "data.py").read_text()
+    text = next(source[:n] for n in range(1, len(source)) if len(tokenizer.encode(source[:n]).ids) == seq_len - 1)
+    corpus = workdir / "one_sequence"
+    corpus.mkdir(exist_ok=True)
+    for i in range(40):
+        (corpus / f"copy_{i}.txt").write_text(text)
+    return corpus
+
+
+@pytest.fixture(scope="module")
+def one_sequence_reference(reference, workdir) -> tuple[Path, list[str]]:
+    corpus = one_sequence_corpus(workdir, workdir / "tokenizer")
+    data = ["--training.dataset", "text_files", "--training.dataset_path", str(corpus)]
+    run_training(MUON, tiny(workdir, "one_sequence_2", *data, *CHECKPOINT_AT_RESUME_STEP))
+    return workdir / "one_sequence_2", data
+
+
+@pytest.mark.parametrize("nproc", [1, 4])
+def test_reshard_from_2_ranks(one_sequence_reference, workdir, nproc):
+    reference, data = one_sequence_reference
+    dump = f"one_sequence_{nproc}"
+    copy_checkpoint(reference, workdir, dump)
+    overrides = tiny(workdir, dump, *data, "--checkpoint.enable", "--checkpoint.exclude_from_loading", "dataloader")
+    run_training(MUON, overrides, nproc=nproc)
+    expected, resumed = read_losses(str(reference)), read_losses(str(workdir / dump))
+    assert sorted(resumed) == list(range(RESUME_STEP + 1, STEPS + 1))
+    for step, loss in resumed.items():  # only the order of gradient sums differs
+        assert loss == pytest.approx(expected[step], rel=1e-5, abs=1e-5), step
+
+
+def test_truncated_checkpoint_fails_clearly(reference, workdir):
+    target = copy_checkpoint(reference, workdir, "truncated")
+    shard = target / "__1_0.distcp"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    result = run_training(MUON, tiny(workdir, "truncated", "--checkpoint.enable"), check=False)
+    assert result.returncode != 0
+    assert "__1_0.distcp is truncated" in log_tail(result, 20000)
+
+
+def test_changed_muon_adamw_split_fails_clearly(reference, workdir):
+    copy_checkpoint(reference, workdir, "moved")
+    moved = ["--checkpoint.enable", "--optimizer.adamw_patterns", "layers.0.attention.*"]
+    result = run_training(MUON, tiny(workdir, "moved", *moved), check=False)
+    log = log_tail(result, 20000)
+    assert result.returncode != 0
+    assert "different optimizer setup" in log
+    assert "layers.0.attention.wq.weight: checkpoint has ['momentum_buffer']" in log
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_two_nodes_match_one_node(reference, workdir):
+    """Two launches with --nnodes 2 and one rank each, rendezvous over c10d on 127.0.0.1."""
+    rdzv = ["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", "t"]
+    command = torchrun_command(MUON, tiny(workdir, "two_nodes"), nproc=1, rdzv=rdzv)
+    nodes = [subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+    try:
+        logs = [node.communicate(timeout=300)[0] for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+    assert [node.returncode for node in nodes] == [0, 0], "\n".join(log[-4000:] for log in logs)
+    assert read_losses(str(workdir / "two_nodes")) == read_losses(str(reference))
+
+
+@pytest.mark.parametrize(
+    "config, flavor",
+    [("train_configs/mla_muon.toml", "tiny_dense"), ("train_configs/llama3_gqa_adamw.toml", "tiny_gqa")],
+)
+def test_other_configs_train(workdir, reference, config, flavor):
+    dump = Path(config).stem
+    overrides = tiny(workdir, dump, "--training.steps", "3") + ["--model.flavor", flavor]
+    run_training(config, overrides)
+    losses = read_losses(str(workdir / dump))
+    assert sorted(losses) == [1, 2, 3]
