@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Train the Llama 3 GQA debug model with Muon on 2 CPU ranks (or 2 GPUs if present):
+# a few hundred steps on the offline Python-stdlib corpus, console log + TensorBoard.
+#
+#   scripts/train.sh                                  # 300 steps, about 6 minutes on 2 cores
+#   scripts/train.sh --training.steps 50              # any torchtitan / titan_muon override
+#   CONFIG=train_configs/mla_muon.toml scripts/train.sh
+#   NPROC=4 scripts/train.sh
+#
+# Multi-node: run the same command on every node with
+#   torchrun --nnodes N --nproc-per-node G --rdzv-backend c10d --rdzv-endpoint HOST:PORT --rdzv-id JOB ...
+# (see docs/torchtitan.md).
+set -euo pipefail
+
+cd "$(dirname "$0")/.."
+CONFIG=${CONFIG:-train_configs/llama3_gqa_muon.toml}
+NPROC=${NPROC:-2}
+DUMP=${DUMP:-./outputs/$(basename "$CONFIG" .toml)}
+
+torchrun --standalone --nproc-per-node "$NPROC" --local-ranks-filter 0 \
+    -m titan_muon.train --job.config_file "$CONFIG" --job.dump_folder "$DUMP" "$@"
+
+echo
+echo "Logs: TensorBoard event files under $DUMP/tb/ (one folder per run start)."
+echo "Open them with:  tensorboard --logdir $DUMP/tb   (then browse http://localhost:6006)"
