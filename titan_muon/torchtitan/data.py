@@ -131,10 +131,11 @@ def save_tokenizer(tokenizer: Tokenizer, directory: str) -> None:
     with open(os.path.join(staging, "tokenizer_config.json"), "w") as f:
         json.dump({"bos_token": BOS, "eos_token": EOS}, f)
     try:
-        os.rename(staging, directory)
-    except OSError:  # an empty placeholder directory: replace it
-        os.rmdir(directory)
-        os.rename(staging, directory)
+        os.rename(staging, directory)  # also replaces an empty placeholder directory
+    except OSError:
+        if not os.path.isfile(os.path.join(directory, "tokenizer.json")):
+            raise
+        shutil.rmtree(staging)  # another node on a shared file system was first
 
 
 def ensure_offline_tokenizer(directory: str, corpus_dir: str, suffixes: tuple[str, ...], vocab_size: int) -> None:

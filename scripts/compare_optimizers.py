@@ -1,0 +1,120 @@
+#!/usr/bin/env python
+"""Muon vs AdamW on the offline stdlib corpus: same model, seed, data and learning rate.
+
+Muon reuses AdamW's learning rate through adjust_lr_fn = "match_rms_adamw" (updates scaled
+to AdamW's typical RMS), and its AdamW groups (embeddings, head, norms) use that lr too, so
+the only difference is the optimizer of the hidden matrices. Writes a loss-curve PNG and a
+markdown table to docs/.
+
+    python scripts/compare_optimizers.py --steps 200 --lr 3e-3
+"""
+
+import argparse
+import shutil
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from titan_muon.torchtitan.launch import read_losses, run_training  # noqa: E402
+
+
+def smooth(values: list[float], weight: float) -> list[float]:
+    smoothed, running = [], values[0]
+    for value in values:
+        running = weight * running + (1 - weight) * value
+        smoothed.append(running)
+    return smoothed
+
+
+def train(name: str, config: str, overrides: list[str], args) -> dict[int, float]:
+    dump = REPO / "outputs" / "compare_optimizers" / name
+    shutil.rmtree(dump, ignore_errors=True)
+    started = time.time()
+    run_training(
+        config,
+        [
+            "--job.dump_folder", str(dump), "--training.steps", str(args.steps), "--metrics.log_freq", "1",
+            "--lr_scheduler.warmup_steps", str(args.warmup), "--optimizer.lr", str(args.lr), *overrides,
+        ],  # fmt: skip
+        nproc=args.nproc,
+        timeout=args.timeout,
+    )
+    print(f"{name}: {args.steps} steps in {time.time() - started:.0f} s")
+    return read_losses(str(dump))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--lr", type=float, default=3e-3, help="AdamW's lr, reused by Muon")
+    parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--smoothing", type=float, default=0.9, help="EMA weight for the curves and the table")
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds per training run")
+    parser.add_argument("--out", default="docs/optimizer_comparison", help="writes OUT.png and OUT.md")
+    args = parser.parse_args()
+
+    runs = {
+        "AdamW": train("adamw", "train_configs/llama3_gqa_adamw.toml", [], args),
+        "Muon": train(
+            "muon",
+            "train_configs/llama3_gqa_muon.toml",
+            ["--optimizer.adjust_lr_fn", "match_rms_adamw", "--optimizer.adamw_lr", str(args.lr)],
+            args,
+        ),
+    }
+    curves = {name: smooth([losses[s] for s in sorted(losses)], args.smoothing) for name, losses in runs.items()}
+    steps = sorted(runs["AdamW"])
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(7, 4.2))
+    for (name, losses), color in zip(runs.items(), ("tab:blue", "tab:orange")):
+        axes.plot(steps, [losses[s] for s in steps], color=color, alpha=0.25, linewidth=0.8)
+        axes.plot(steps, curves[name], color=color, label=f"{name} (EMA {args.smoothing})")
+    axes.set(xlabel="step", ylabel="training loss", title=f"Llama 3 GQA debug model, lr {args.lr:g}, 2 CPU ranks")
+    axes.set_ylim(top=min(8.5, max(max(c) for c in curves.values())))
+    axes.grid(alpha=0.3)
+    axes.legend()
+    out = REPO / args.out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    figure.tight_layout()
+    figure.savefig(out.with_suffix(".png"), dpi=120)
+
+    adamw_final = curves["AdamW"][-1]
+    reached = next((step for step, loss in zip(steps, curves["Muon"]) if loss <= adamw_final), None)
+    rows = [
+        f"| {name} | {runs[name][steps[-1]]:.4f} | {curves[name][-1]:.4f} |" for name in runs
+    ]
+    table = "\n".join(
+        [
+            f"# Muon vs AdamW ({args.steps} steps)",
+            "",
+            f"Written by `python scripts/compare_optimizers.py --steps {args.steps} --lr {args.lr:g}`: "
+            "`train_configs/llama3_gqa_adamw.toml` vs `llama3_gqa_muon.toml` with "
+            f'`adjust_lr_fn = "match_rms_adamw"`, both at lr {args.lr:g} (warmup {args.warmup}, linear decay), '
+            f"seed 0, {args.nproc} ranks, the offline Python-stdlib corpus. Smoothed = EMA with weight {args.smoothing}.",
+            "",
+            "| optimizer | final loss | final loss (smoothed) |",
+            "|---|---|---|",
+            *rows,
+            "",
+            f"Muon reaches AdamW's final smoothed loss ({adamw_final:.4f}) at step "
+            + (f"**{reached}** of {args.steps}." if reached else f"— not within {args.steps} steps."),
+            "",
+            f"![loss curves]({out.with_suffix('.png').name})",
+            "",
+        ]
+    )
+    out.with_suffix(".md").write_text(table)
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
