@@ -62,13 +62,13 @@ class MuonOptimizersContainer(OptimizersContainer):
 
     @property
     def last_step_metrics(self) -> dict[str, float]:
-        """The last step's Muon metrics; with several model parts (pipeline parallel), byte
-        counts and times are summed over parts and the other values averaged."""
+        """The last step's Muon metrics; with several model parts (pipeline parallel), bytes,
+        times and FLOPs are summed over parts and the other values averaged."""
         per_part = [opt.last_step_metrics for opt in self.optimizers]
         merged: dict[str, float] = {}
         for key in per_part[0]:
             values = [metrics.get(key, 0.0) for metrics in per_part]
-            additive = "bytes" in key or "time" in key
+            additive = any(word in key for word in ("bytes", "time", "flops"))
             merged[key] = sum(values) if additive else sum(values) / len(values)
         return merged
 
