@@ -4,15 +4,18 @@ Every launch goes through a subprocess with a timeout, so a hang fails the test.
 2-rank reference run (8 steps, checkpoint at step 4) is shared by most tests.
 """
 
+import os
 import shutil
+import signal
 import socket
-import subprocess
 from pathlib import Path
 
 import pytest
 from tokenizers import Tokenizer
 
-from titan_muon.torchtitan.launch import REPO_ROOT, log_tail, read_losses, read_scalars, run_training, torchrun_command
+from titan_muon.torchtitan.launch import (
+    REPO_ROOT, finish, log_tail, read_losses, read_scalars, run_training, start, torchrun_command,
+)  # fmt: skip
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -136,23 +139,33 @@ def test_two_nodes_match_one_node(reference, workdir):
     """Two launches with --nnodes 2 and one rank each, rendezvous over c10d on 127.0.0.1."""
     rdzv = ["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", "t"]
     command = torchrun_command(MUON, tiny(workdir, "two_nodes"), nproc=1, rdzv=rdzv)
-    nodes = [subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+    nodes = [start(command) for _ in range(2)]
     try:
-        logs = [node.communicate(timeout=300)[0] for node in nodes]
+        results = [finish(node, timeout=300) for node in nodes]
     finally:
         for node in nodes:
-            node.kill()
-    assert [node.returncode for node in nodes] == [0, 0], "\n".join(log[-4000:] for log in logs)
+            if node.poll() is None:
+                os.killpg(node.pid, signal.SIGKILL)
+    assert [r.returncode for r in results] == [0, 0], "\n".join(log_tail(r, 4000) for r in results)
     assert read_losses(str(workdir / "two_nodes")) == read_losses(str(reference))
 
 
+VALIDATION = [
+    "--validation.enable", "--validation.dataset", "python_stdlib_validation", "--validation.freq", "3",
+    "--validation.steps", "2", "--validation.seq_len", "64", "--validation.local_batch_size", "2",
+]  # fmt: skip
+
+
 @pytest.mark.parametrize(
-    "config, flavor",
-    [("train_configs/mla_muon.toml", "tiny_dense"), ("train_configs/llama3_gqa_adamw.toml", "tiny_gqa")],
+    "config, flavor, extra",
+    [
+        ("train_configs/mla_muon.toml", "tiny_dense", VALIDATION),
+        ("train_configs/llama3_gqa_adamw.toml", "tiny_gqa", []),
+    ],
 )
-def test_other_configs_train(workdir, reference, config, flavor):
-    dump = Path(config).stem
-    overrides = tiny(workdir, dump, "--training.steps", "3") + ["--model.flavor", flavor]
-    run_training(config, overrides)
-    losses = read_losses(str(workdir / dump))
-    assert sorted(losses) == [1, 2, 3]
+def test_other_configs_train(workdir, reference, config, flavor, extra):
+    dump = workdir / Path(config).stem
+    run_training(config, tiny(workdir, dump.name, "--training.steps", "3", "--model.flavor", flavor, *extra))
+    assert sorted(read_losses(str(dump))) == [1, 2, 3]
+    if extra:
+        assert sorted(read_scalars(str(dump), "validation_metrics/loss")) == [3]

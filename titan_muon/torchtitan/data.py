@@ -80,22 +80,25 @@ def _text(sample: dict) -> str:
     return sample["text"]
 
 
+PYTHON_FILES, TEXT_FILES = (".py",), (".txt", ".md")
+# The datasets whose tokenizer can be trained on first use, and the files they read.
+OFFLINE_DATASETS = {"python_stdlib": PYTHON_FILES, "text_files": TEXT_FILES}
+
+
 def register_datasets() -> None:
-    python_files = (".py",)
-    text_files = (".txt", ".md")
     DATASETS["python_stdlib"] = DatasetConfig(
         path=STDLIB_DIR,
-        loader=partial(_load_text_files, suffixes=python_files, split="train"),
+        loader=partial(_load_text_files, suffixes=PYTHON_FILES, split="train"),
         sample_processor=_text,
     )
     DATASETS["python_stdlib_validation"] = DatasetConfig(
         path=STDLIB_DIR,
-        loader=partial(_load_text_files, suffixes=python_files, split="validation"),
+        loader=partial(_load_text_files, suffixes=PYTHON_FILES, split="validation"),
         sample_processor=_text,
     )
     DATASETS["text_files"] = DatasetConfig(
         path="",  # set --training.dataset_path
-        loader=partial(_load_text_files, suffixes=text_files, split="train"),
+        loader=partial(_load_text_files, suffixes=TEXT_FILES, split="train"),
         sample_processor=_text,
     )
     DATASETS["jsonl"] = DatasetConfig(
@@ -103,9 +106,6 @@ def register_datasets() -> None:
         loader=_load_jsonl,
         sample_processor=_text,
     )
-
-
-OFFLINE_DATASETS = ("python_stdlib", "text_files")
 
 
 def train_bpe_tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
@@ -172,8 +172,7 @@ def build_tokenizer(job_config, vocab_size: int) -> HuggingFaceTokenizer:
     dataset = job_config.training.dataset
     if dataset in OFFLINE_DATASETS:
         corpus_dir = job_config.training.dataset_path or DATASETS[dataset].path
-        suffixes = (".py",) if dataset == "python_stdlib" else (".txt", ".md")
-        ensure_offline_tokenizer(directory, corpus_dir, suffixes, vocab_size)
+        ensure_offline_tokenizer(directory, corpus_dir, OFFLINE_DATASETS[dataset], vocab_size)
         _check_same_tokenizer_on_all_ranks(directory)
     tokenizer = build_hf_tokenizer(job_config)
     if tokenizer.get_vocab_size() > vocab_size:

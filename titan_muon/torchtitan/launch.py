@@ -6,6 +6,7 @@ hung collective fails the caller instead of blocking it.
 
 import glob
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -21,18 +22,35 @@ def torchrun_command(config: str, overrides: list[str], nproc: int = 2, rdzv: li
     ]  # fmt: skip
 
 
+def start(command: list[str]) -> subprocess.Popen:
+    """Start torchrun in its own process group, so :func:`finish` can stop its workers too."""
+    return subprocess.Popen(
+        command,
+        cwd=REPO_ROOT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def finish(process: subprocess.Popen, timeout: float) -> subprocess.CompletedProcess:
+    """Wait for ``process``; past ``timeout`` kill torchrun and its workers, then raise."""
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.communicate()
+        raise
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+
+
 def run_training(
     config: str, overrides: list[str], nproc: int = 2, timeout: float = 300, check: bool = True
 ) -> subprocess.CompletedProcess:
     """Run to completion; with ``check``, raise with the log's tail if it failed."""
-    result = subprocess.run(
-        torchrun_command(config, overrides, nproc),
-        cwd=REPO_ROOT,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    result = finish(start(torchrun_command(config, overrides, nproc)), timeout)
     if check and result.returncode != 0:
         raise RuntimeError(f"training failed (exit {result.returncode}):\n{log_tail(result)}")
     return result
