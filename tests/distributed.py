@@ -38,7 +38,7 @@ def _entry(rank: int, world_size: int, port: int, fn, args, out_dir: str) -> Non
             dist.destroy_process_group()
 
 
-def run_distributed(fn, world_size: int, *args, timeout: float = 120.0) -> list:
+def run_distributed(fn, world_size: int, *args, timeout: float = 300.0) -> list:
     """fn(rank, world_size, *args) on every rank; returns the per-rank results.
 
     Raises RankError if any rank raised (with every rank's traceback), TimeoutError on a hang.

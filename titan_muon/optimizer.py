@@ -307,72 +307,110 @@ class Muon(Optimizer):
             numel += update.numel()
         return sq_sum, numel
 
-    def _orthogonalize_all(self, local_matrices: dict[int, Tensor]) -> dict[int, Tensor]:
-        """Scaled, orthogonalized updates in each parameter's local shape."""
-        rank, world = self.transport.rank, self.transport.world_size
+    def _orthogonalize_all(
+        self, local_matrices: dict[int, Tensor], arrived: dict[int, Tensor] | None = None, grad_scale: float = 1.0
+    ) -> dict[int, Tensor]:
+        """Scaled, orthogonalized updates in each parameter's local shape.
+
+        `arrived` holds buckets whose raw gradient and previous momentum rows already reached
+        their owners during backward (see overlap.py); their owners form the momentum update
+        themselves, with the clipping factor `grad_scale` known only now.
+        """
+        rank = self.transport.rank
+        arrived = arrived or {}
         results = {key: torch.empty_like(m) for key, m in local_matrices.items()}
 
-        # Outbound: every bucket leaves at once; owners work through them in order.
-        in_flight: list[tuple[int, list, Exchange]] = []
+        # Outbound: every remaining bucket leaves at once; owners work through them in order.
+        in_flight: dict[int, Exchange] = {}
         for b in range(len(self.plan.buckets)):
-            pieces = self._outbound_pieces(b)
-            send = torch.empty(sum(n for *_, n in pieces), dtype=self.comm_dtype)
-            offset = 0
-            for entry, lo, hi, n in pieces:
-                send[offset : offset + n].copy_(local_matrices[id(entry)][lo:hi].reshape(-1))
-                offset += n
-            exchange = self.transport.all_to_all(send, self.plan.send_counts(b, rank), self.plan.recv_counts(b, rank))
-            in_flight.append((b, pieces, exchange))
+            if b not in arrived:
+                send = self._pack(b, [local_matrices])
+                in_flight[b] = self.transport.all_to_all(send, self.plan.send_counts(b, rank), self.plan.recv_counts(b, rank))
 
         # Whole matrices that already sit on this rank: orthogonalize while shards travel.
         local_jobs = [(entry, local_matrices[id(entry)][r0:r1], r0, r1) for entry, r0, r1 in self._local_units]
         for (entry, _, r0, r1), out in zip(local_jobs, self._newton_schulz([(e, m) for e, m, *_ in local_jobs])):
             results[id(entry)][r0:r1] = out
 
-        returning: list[tuple[list, Exchange]] = []
-        for b, pieces, exchange in in_flight:
-            received = exchange.wait()
-            back = torch.empty_like(received)
-            owned = self.plan.owned_units(b, rank)
-            # Layout of `received`: per source rank, the owned units' rows in bucket order.
-            src_offsets = _offsets(self.plan.recv_counts(b, rank))
-            matrices = []
-            for u in owned:
-                unit, parts = self.plan.units[u], []
-                for src in range(world):
-                    lo, hi = unit.rows_on(src, world)
-                    n = (hi - lo) * unit.cols
-                    parts.append((src, src_offsets[src], n, hi - lo))
-                    src_offsets[src] += n
-                full = torch.cat([received[o : o + n].view(rows, unit.cols) for _, o, n, rows in parts])
-                matrices.append((u, full, parts))
-            outs = self._newton_schulz([(self._unit_param[u], full) for u, full, _ in matrices])
-            for (u, _, parts), out in zip(matrices, outs):
+        returning: list[tuple[int, Exchange]] = []
+        for b in range(len(self.plan.buckets)):
+            if b in arrived:
+                owned = self._assemble(b, arrived[b], parts=2)
+                matrices = []
+                for u, (grad, momentum), slots in owned:
+                    group = self._unit_param[u].group
+                    update = momentum_step(grad.float().mul_(grad_scale), momentum.float(), group["momentum"], group["nesterov"])
+                    matrices.append((u, update, slots))
+            else:
+                matrices = [(u, full.float(), slots) for u, (full,), slots in self._assemble(b, in_flight[b].wait(), parts=1)]
+            outs = self._newton_schulz([(self._unit_param[u], m) for u, m, _ in matrices])
+            back = torch.empty(sum(self.plan.recv_counts(b, rank)), dtype=self.comm_dtype)
+            for (_, _, slots), out in zip(matrices, outs):
                 row = 0
-                for _, o, n, rows in parts:
-                    back[o : o + n].copy_(out[row : row + rows].reshape(-1))
+                for offset, n, rows in slots:
+                    back[offset : offset + n].copy_(out[row : row + rows].reshape(-1))
                     row += rows
-            send_counts, recv_counts = self.plan.recv_counts(b, rank), self.plan.send_counts(b, rank)
-            returning.append((pieces, self.transport.all_to_all(back, send_counts, recv_counts)))
+            returning.append((b, self.transport.all_to_all(back, self.plan.recv_counts(b, rank), self.plan.send_counts(b, rank))))
 
-        for pieces, exchange in returning:
+        for b, exchange in returning:
             received = exchange.wait()
             offset = 0
-            for entry, lo, hi, n in pieces:
+            for _, entry, lo, hi, n in self._outbound_pieces(b):
                 rows = results[id(entry)][lo:hi]
                 rows.copy_(received[offset : offset + n].view(rows.shape))
                 offset += n
         return results
 
-    def _outbound_pieces(self, bucket: int) -> list[tuple[_MuonParam, int, int, int]]:
-        """(param, local row start, local row end, numel) per unit, grouped by owner rank."""
+    def _outbound_pieces(self, bucket: int) -> list[tuple[int, _MuonParam, int, int, int]]:
+        """(unit, param, local row start, local row end, numel) per unit of the bucket, ordered by owner."""
         rank, world = self.transport.rank, self.transport.world_size
         pieces = []
         for u in sorted(self.plan.buckets[bucket], key=lambda u: self.plan.owners[u]):
             unit = self.plan.units[u]
             lo, hi = unit.rows_in_shard(rank, world)
-            pieces.append((self._unit_param[u], lo, hi, (hi - lo) * unit.cols))
+            pieces.append((u, self._unit_param[u], lo, hi, (hi - lo) * unit.cols))
         return pieces
+
+    def _pack(self, bucket: int, sources: list[dict[int, Tensor]]) -> Tensor:
+        """One send buffer: for each owner, this rank's rows of every source (e.g. gradient, then momentum)."""
+        pieces = self._outbound_pieces(bucket)
+        send = torch.empty(len(sources) * sum(p[-1] for p in pieces), dtype=self.comm_dtype)
+        offset = 0
+        for owner in range(self.transport.world_size):
+            mine = [p for p in pieces if self.plan.owners[p[0]] == owner]
+            for source in sources:
+                for _, entry, lo, hi, n in mine:
+                    send[offset : offset + n].copy_(source[id(entry)][lo:hi].reshape(-1))
+                    offset += n
+        return send
+
+    def _assemble(self, bucket: int, received: Tensor, parts: int) -> list[tuple[int, list[Tensor], list]]:
+        """Whole matrices of the units this rank owns, from a received outbound buffer.
+
+        Per source rank the buffer holds `parts` consecutive blocks (see _pack), each with the
+        owned units' rows in bucket order. Also returns, per unit, where each source's rows go in
+        the (single-part) return buffer: (offset, numel, rows).
+        """
+        rank, world = self.transport.rank, self.transport.world_size
+        counts = self.plan.recv_counts(bucket, rank)
+        source_base = _offsets([parts * c for c in counts])
+        return_base = _offsets(counts)
+        filled = [0] * world
+        owned = []
+        for u in self.plan.owned_units(bucket, rank):
+            unit = self.plan.units[u]
+            blocks: list[list[Tensor]] = [[] for _ in range(parts)]
+            slots = []
+            for src in range(world):
+                lo, hi = unit.rows_on(src, world)
+                n = (hi - lo) * unit.cols
+                for k in range(parts):
+                    start = source_base[src] + k * counts[src] + filled[src]
+                    blocks[k].append(received[start : start + n].view(hi - lo, unit.cols))
+                slots.append((return_base[src] + filled[src], n, hi - lo))
+                filled[src] += n
+            owned.append((u, [torch.cat(b) for b in blocks], slots))
+        return owned
 
     def _newton_schulz(self, jobs: list[tuple[_MuonParam, Tensor]]) -> list[Tensor]:
         """Orthogonalize and scale each matrix; equal shapes and settings run as one batch."""
