@@ -17,7 +17,6 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
-from torch.distributed.tensor import DTensor
 
 _STEP_DIR = re.compile(r"step-(\d+)$")
 
@@ -62,11 +61,10 @@ def read_metadata(path: str) -> Metadata:
     for name, size in sorted(needed.items()):
         file = os.path.join(path, name)
         actual = os.path.getsize(file) if os.path.isfile(file) else None
-        if actual is None or actual < size:
-            found = "missing" if actual is None else f"{actual} bytes"
-            raise CheckpointError(
-                f"checkpoint {path}: shard {name} is truncated ({found}, its metadata needs {size} bytes)"
-            )
+        if actual is None:
+            raise CheckpointError(f"checkpoint {path}: shard {name} is missing")
+        if actual < size:
+            raise CheckpointError(f"checkpoint {path}: shard {name} is truncated ({actual} of {size} bytes)")
     return metadata
 
 
@@ -74,12 +72,6 @@ def _param_of(state_key: str) -> tuple[str, str]:
     """"state.layers.0.attention.wq.weight.exp_avg" -> ("layers.0.attention.wq.weight", "exp_avg")."""
     fqn, _, name = state_key.removeprefix("state.").rpartition(".")
     return fqn, name
-
-
-def _global_shape(value: Any) -> tuple[int, ...] | None:
-    if isinstance(value, (torch.Tensor, DTensor)):
-        return tuple(value.shape)
-    return None
 
 
 def compare_optimizer_state(saved: Metadata, expected: dict[str, Any], path: str) -> None:
@@ -129,8 +121,8 @@ def compare_model(saved: Metadata, expected: dict[str, Any], path: str) -> None:
         meta = saved.state_dict_metadata.get(key)
         if meta is None:
             problems.append(f"{key}: not in the checkpoint")
-        elif isinstance(meta, TensorStorageMetadata) and tuple(meta.size) != _global_shape(value):
-            problems.append(f"{key}: saved shape {tuple(meta.size)}, this model has {_global_shape(value)}")
+        elif isinstance(meta, TensorStorageMetadata) and meta.size != value.shape:  # DTensor: global shape
+            problems.append(f"{key}: saved shape {tuple(meta.size)}, this model has {tuple(value.shape)}")
     if problems:
         raise CheckpointError(
             f"checkpoint {path} does not fit this model (another [model] flavor?):\n  " + "\n  ".join(problems[:8])
