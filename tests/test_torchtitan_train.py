@@ -163,7 +163,7 @@ VALIDATION = [
         ("train_configs/llama3_gqa_adamw.toml", "tiny_gqa", []),
     ],
 )
-def test_other_configs_train(workdir, reference, config, flavor, extra):
+def test_other_configs_train(workdir, config, flavor, extra):
     dump = workdir / Path(config).stem
     run_training(config, tiny(workdir, dump.name, "--training.steps", "3", "--model.flavor", flavor, *extra))
     assert sorted(read_losses(str(dump))) == [1, 2, 3]
