@@ -6,6 +6,7 @@ then kills every rank and raises. Exceptions on any rank come back with their tr
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import socket
 import tempfile
@@ -24,9 +25,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world_size: int, port: int, fn, args, out_dir: str) -> None:
+def _entry(rank: int, world_size: int, port: int, fn, args, out_dir: str, timeout: float) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)
+    # If this rank is still running shortly before the parent gives up, leave its stack behind.
+    stacks = open(Path(out_dir, f"stack{rank}.txt"), "w")
+    faulthandler.dump_traceback_later(max(1.0, timeout - 5), file=stacks)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
@@ -47,7 +51,7 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 300.0) -> list:
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as out_dir:
         port = _free_port()
-        procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, out_dir)) for r in range(world_size)]
+        procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, out_dir, timeout)) for r in range(world_size)]
         for p in procs:
             p.start()
         deadline = time.monotonic() + timeout
@@ -57,7 +61,11 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 300.0) -> list:
             for p in procs:
                 p.kill()
                 p.join()
-            raise TimeoutError(f"distributed run of {fn.__name__} on {world_size} ranks hung for more than {timeout}s")
+            stacks = "\n".join(
+                f"--- rank {r} ---\n" + (f.read_text() if (f := Path(out_dir, f"stack{r}.txt")).exists() else "(never started)")
+                for r in range(world_size)
+            )
+            raise TimeoutError(f"distributed run of {fn.__name__} on {world_size} ranks hung for more than {timeout}s\n{stacks}")
         errors = {r: Path(out_dir, f"error{r}.txt").read_text() for r in range(world_size) if Path(out_dir, f"error{r}.txt").exists()}
         if errors:
             raise RankError(errors)

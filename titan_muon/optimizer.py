@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.optim import Optimizer
 from torch.optim.adamw import adamw as adamw_functional
 
+from titan_muon.overlap import BackwardOverlap
 from titan_muon.newton_schulz import NS_METHODS, coefficient_schedule, newton_schulz_flops, orthogonalize
 from titan_muon.plan import Plan, Unit, build_plan, shard_rows
 from titan_muon.split import RowBlocks, match_row_blocks, row_block_ranges
@@ -77,6 +78,9 @@ class Muon(Optimizer):
         row_blocks: Muon Split. Maps FQN patterns (fnmatch) to row-block sizes: an int (one
             block per attention head) or a repeating sequence (e.g. ``(q_nope, q_rope)``).
             Each block is orthogonalized on its own and scaled by its own shape.
+        overlap: start sending each bucket to its owners during backward, as soon as FSDP2 has
+            reduce-scattered all its gradients (see overlap.py); same math, exact under
+            gradient clipping and accumulation.
     """
 
     def __init__(
@@ -98,6 +102,7 @@ class Muon(Optimizer):
         bucket_size_mb: float = 64.0,
         nonfinite_grads: str = "raise",
         row_blocks: Mapping[str, RowBlocks] | None = None,
+        overlap: bool = False,
     ):
         self.ns_dtype = _dtype(ns_dtype, "ns_dtype")
         self.comm_dtype = _dtype(comm_dtype, "comm_dtype")
@@ -107,6 +112,8 @@ class Muon(Optimizer):
             raise ValueError(f"titan_muon.Muon: bucket_size_mb must be > 0, got {bucket_size_mb}")
         self.nonfinite_grads = nonfinite_grads
         self.row_blocks = dict(row_blocks or {})
+        self.overlap = overlap
+        self._overlap: BackwardOverlap | None = None
         self.bucket_bytes = int(bucket_size_mb * 2**20)
         defaults = dict(
             lr=lr,
@@ -147,6 +154,7 @@ class Muon(Optimizer):
     def _build_layout(self) -> None:
         """Classify Muon params as sharded or local, build and cross-check the plan."""
         self._muon_params: list[_MuonParam] = []
+        shard_mesh = None
         group_of_shards: dist.ProcessGroup | None = None
         group_ranks: list[int] | None = None
         for gi, group in enumerate(self.param_groups):
@@ -157,6 +165,7 @@ class Muon(Optimizer):
                     ranks = dist.get_process_group_ranks(shard_group)
                     if group_ranks is None:
                         group_of_shards, group_ranks = shard_group, ranks
+                        shard_mesh = p.device_mesh
                     elif ranks != group_ranks:
                         raise ValueError(
                             f"titan_muon.Muon: parameter {name!r} is sharded over ranks {ranks} but earlier "
@@ -201,6 +210,11 @@ class Muon(Optimizer):
                     self._local_units.append((entry, start, end))
         self.plan: Plan = build_plan(units, world, self.bucket_bytes)
         self.transport.check_same_everywhere(self.plan.fingerprint(), "the Muon ownership plan")
+        if self._overlap is not None:
+            self._overlap.remove()
+            self._overlap = None
+        if self.overlap and units:
+            self._overlap = BackwardOverlap(self, Transport(_twin_group(shard_mesh, group_ranks)))
         self._layout_ready = True
 
     def _ensure_state(self) -> None:
@@ -229,12 +243,13 @@ class Muon(Optimizer):
         self.transport.bytes_sent = self.transport.bytes_received = 0
         self._ns_seconds, self._ns_flops = 0.0, 0
         self._ensure_state()
-        no_grad_anywhere = self._check_gradients()
-        if no_grad_anywhere is None:  # non-finite gradients with nonfinite_grads="skip"
+        verdict = self._agree_on_gradients()
+        if verdict is None:  # non-finite gradients with nonfinite_grads="skip"
             self.skipped_steps += 1
             self.last_step_metrics = {"muon/skipped_steps": float(self.skipped_steps)}
             return loss
-        update_sq_sum, update_numel = self._muon_step(no_grad_anywhere)
+        no_grad_anywhere, arrived, grad_scale = verdict
+        update_sq_sum, update_numel = self._muon_step(no_grad_anywhere, arrived, grad_scale)
         self._adamw_step()
         self.last_step_metrics = {
             "muon/update_rms": (update_sq_sum / max(update_numel, 1)) ** 0.5,
@@ -245,28 +260,48 @@ class Muon(Optimizer):
             "muon/ns_flops": float(self._ns_flops),
             "muon/skipped_steps": float(self.skipped_steps),
         }
+        if self._overlap is not None:
+            self.last_step_metrics["muon/bytes_sent_in_backward"] = float(self._overlap.transport.bytes_sent)
+            self.last_step_metrics["muon/buckets_sent_in_backward"] = float(len(arrived))
+            self._overlap.transport.bytes_sent = self._overlap.transport.bytes_received = 0
         return loss
 
-    def _check_gradients(self) -> set[Tensor] | None:
-        """Decide collectively what to do about missing and non-finite gradients.
+    def _agree_on_gradients(self) -> tuple[set[Tensor], dict[int, Tensor], float] | None:
+        """Decide collectively what to do about missing and non-finite gradients, and overlap.
 
-        Returns the parameters whose gradient is missing on every rank (skipped, as
-        torch.optim does), or None to skip the step. Raises the same error on every rank.
+        One all-reduce carries, per parameter, whether its gradient exists and is finite, and
+        with overlap the sends made during backward and the sums that give the clipping factor.
+        Returns (parameters with no gradient on any rank — skipped, as torch.optim does;
+        buckets whose rows arrived during backward; their gradient scale), or None to skip the
+        step. Raises the same error on every rank, before anything changes.
         """
         params = [(gi, pi, p) for gi, g in enumerate(self.param_groups) for pi, p in enumerate(g["params"])]
         grads = [None if p.grad is None else _local(p.grad) for _, _, p in params]
         present = [g is not None and g.numel() > 0 for g in grads]
         norms = torch._foreach_norm([g for g, ok in zip(grads, present) if ok], float("inf")) if any(present) else []
         finite = iter(torch.isfinite(torch.stack(norms)).tolist() if norms else [])
-        status = torch.tensor(
-            [g is not None for g in grads] + [0 if not ok else int(not next(finite)) for ok in present],
-            dtype=torch.int64,
-        )
+        flags = [float(g is not None) for g in grads] + [0.0 if not ok else float(not next(finite)) for ok in present]
+        launches = self._overlap.launch_counts() if self._overlap else []
+        sums = list(self._overlap.scale_sums()) if self._overlap else []
+        status = torch.tensor(flags + launches + [c * c for c in launches] + sums, dtype=torch.float64)
         self.transport.all_reduce(status)
         n, world = len(params), self.transport.world_size
-        has_grad, nonfinite = status[:n].tolist(), status[n:].tolist()
+        has_grad, nonfinite = status[:n].tolist(), status[n : 2 * n].tolist()
 
+        if launches:
+            counts, squares = status[2 * n : 2 * n + len(launches)], status[2 * n + len(launches) : 2 * n + 2 * len(launches)]
+            if not torch.equal(counts * counts, world * squares):
+                self._overlap.remove()
+                self._overlap, self.overlap = None, False
+                raise RuntimeError(
+                    "titan_muon.Muon: gradient hooks fired differently on different ranks during backward (this rank "
+                    f"sent buckets {launches} times), so overlapped transfers cannot be matched. Overlap is now off; "
+                    "this happens when ranks leave different parameters unused. Construct with overlap=False."
+                )
         partial = [i for i, c in enumerate(has_grad) if 0 < c < world]
+        bad = [self._param_name(gi, pi) for (gi, pi, _), c in zip(params, nonfinite) if c > 0]
+        if self._overlap and (partial or bad):
+            self._overlap.take()  # every rank sent the same buckets: drain them before leaving
         if partial:
             names = [self._param_name(*params[i][:2]) for i in partial]
             here = "present" if grads[partial[0]] is not None else "missing"
@@ -274,7 +309,6 @@ class Muon(Optimizer):
                 f"titan_muon.Muon: gradients of {names} exist on some ranks but not on others (the first is "
                 f"{here} on this rank). Every rank must produce the same set of gradients; nothing was changed."
             )
-        bad = [self._param_name(gi, pi) for (gi, pi, _), c in zip(params, nonfinite) if c > 0]
         if bad:
             if self.nonfinite_grads == "skip":
                 return None
@@ -282,9 +316,20 @@ class Muon(Optimizer):
                 f"titan_muon.Muon: non-finite (NaN/Inf) gradients in {bad}; no parameter or state was changed. "
                 'Pass nonfinite_grads="skip" to skip such steps instead.'
             )
-        return {p for (_, _, p), c in zip(params, has_grad) if c == 0}
+        no_grad_anywhere = {p for (_, _, p), c in zip(params, has_grad) if c == 0}
 
-    def _muon_step(self, no_grad_anywhere: set[Tensor]) -> tuple[float, int]:
+        arrived, scale = {}, 1.0
+        if self._overlap and any(launches):
+            dot, norm = status[-2].item(), status[-1].item()
+            scale = dot / norm if norm > 0 else 1.0
+            agreed = torch.tensor([float(self._overlap.matches(scale))])
+            self.transport.all_reduce(agreed, dist.ReduceOp.MIN)
+            arrived = self._overlap.take()
+            if not agreed.item():
+                arrived = {}
+        return no_grad_anywhere, arrived, scale
+
+    def _muon_step(self, no_grad_anywhere: set[Tensor], arrived: dict[int, Tensor], grad_scale: float) -> tuple[float, int]:
         # Momentum on local shards; the matrices to orthogonalize, in local (row-shard) shape.
         to_orthogonalize: dict[int, Tensor] = {}
         for entry in self._muon_params:
@@ -295,7 +340,7 @@ class Muon(Optimizer):
                 continue
             to_orthogonalize[id(entry)] = momentum_step(_local(p.grad), buf, group["momentum"], group["nesterov"])
 
-        updates = self._orthogonalize_all(to_orthogonalize)
+        updates = self._orthogonalize_all(to_orthogonalize, arrived, grad_scale)
 
         sq_sum, numel = 0.0, 0
         for entry in self._muon_params:
@@ -488,6 +533,24 @@ def _offsets(counts: list[int]) -> list[int]:
         offsets.append(total)
         total += c
     return offsets
+
+
+def _twin_group(mesh, ranks: list[int]) -> dist.ProcessGroup:
+    """A second process group over `ranks`, so overlapped sends never queue behind FSDP's collectives.
+
+    ``new_group`` must be called by every process for every group, in the same order, so all
+    groups along the sharded mesh dimension are created and this rank keeps its own.
+    """
+    if mesh.size() != dist.get_world_size():
+        raise ValueError("titan_muon.Muon: overlap=True needs the FSDP mesh to span all processes")
+    shard_dim = next(d for d in range(mesh.ndim) if dist.get_process_group_ranks(mesh.get_group(d)) == ranks)
+    layout = mesh.mesh.movedim(shard_dim, -1).reshape(-1, mesh.size(shard_dim)).tolist()
+    mine = None
+    for group_ranks in layout:
+        group = dist.new_group(group_ranks)
+        if dist.get_rank() in group_ranks:
+            mine = group
+    return mine
 
 
 def _shard_group(p: Tensor, name: str) -> dist.ProcessGroup | None:
