@@ -83,8 +83,14 @@ class BackwardOverlap:
     def launch_counts(self) -> list[int]:
         return [len(self.launches.get(b, ())) for b in range(len(self.fired))]
 
-    def _sent_and_final(self, bucket: int) -> tuple[Tensor, Tensor]:
-        """The raw gradient rows last sent for `bucket` and the final gradient rows, same layout."""
+    def _sent_and_final(self, bucket: int) -> tuple[Tensor, Tensor] | None:
+        """The raw gradient rows last sent for `bucket` and the final gradient rows, same layout.
+
+        None if a gradient of the bucket has been removed since it was sent.
+        """
+        entries = self.bucket_entries[bucket].values()
+        if any(e.param.grad is None for e in entries):
+            return None
         _, send = self.launches[bucket][-1]
         counts = self.opt.plan.send_counts(bucket, self.transport.rank)
         starts, start = [], 0
@@ -92,7 +98,6 @@ class BackwardOverlap:
             starts.append(start)
             start += 2 * c
         sent = torch.cat([send[s : s + c] for s, c in zip(starts, counts)])
-        entries = self.bucket_entries[bucket].values()
         final = self.opt._pack(bucket, [{id(e): _local(e.param.grad) for e in entries}])
         return sent.double(), final.double()
 
@@ -100,7 +105,10 @@ class BackwardOverlap:
         """Local ⟨g_final, g_sent⟩ and ⟨g_sent, g_sent⟩ over launched buckets."""
         dot = norm = 0.0
         for b in self.launches:
-            sent, final = self._sent_and_final(b)
+            rows = self._sent_and_final(b)
+            if rows is None:
+                continue
+            sent, final = rows
             dot += float(final @ sent)
             norm += float(sent @ sent)
         return dot, norm
@@ -109,7 +117,10 @@ class BackwardOverlap:
         """Does g_final == scale · g_sent hold on this rank's rows, to the wire dtype's precision?"""
         tolerance = 4 * torch.finfo(self.opt.comm_dtype).eps
         for b in self.launches:
-            sent, final = self._sent_and_final(b)
+            rows = self._sent_and_final(b)
+            if rows is None:
+                return False
+            sent, final = rows
             if sent.numel() and (final - scale * sent).abs().max() > tolerance * max(final.abs().max(), sent.abs().max()):
                 return False
         return True
