@@ -65,3 +65,29 @@ def test_split_distributed_equals_one_process_with_heads_straddling_shards():
         for name in SHAPES:
             assert (result["params"][name] - expected[name]).abs().max().item() <= 1e-5, name
     assert (expected["a"] - unsplit["a"]).abs().max() > 1e-4
+
+
+def test_attention_row_blocks_for_torchtitan_gqa_and_mla():
+    from torchtitan.models.deepseek_v3.model.args import DeepSeekV3ModelArgs
+    from torchtitan.models.deepseek_v3.model.model import DeepSeekV3Model
+    from torchtitan.models.llama3.model.args import TransformerModelArgs
+    from torchtitan.models.llama3.model.model import Transformer
+
+    from titan_muon.split import attention_row_blocks
+
+    llama = Transformer(TransformerModelArgs(dim=64, n_layers=2, n_heads=8, n_kv_heads=2, vocab_size=32))
+    blocks = attention_row_blocks(llama)
+    assert blocks["layers.1.attention.wq.weight"] == blocks["layers.1.attention.wk.weight"] == 8
+    assert set(blocks) == {f"layers.{i}.attention.{p}.weight" for i in range(2) for p in ("wq", "wk", "wv")}
+    groups = [{"params": [(n, p) for n, p in llama.named_parameters() if p.ndim == 2 and "embed" not in n and "output" not in n]}]
+    opt = Muon(groups, row_blocks=blocks)
+    assert len(opt._local_units) == 2 * (8 + 2 + 2 + 4)  # heads of wq, wk, wv + wo, w1, w2, w3 whole
+
+    args = DeepSeekV3ModelArgs(dim=64, n_layers=1, n_dense_layers=1, n_heads=4, vocab_size=32, q_lora_rank=0,
+                               kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, inter_dim=96)  # fmt: skip
+    mla = DeepSeekV3Model(args)
+    assert attention_row_blocks(mla) == {"layers.0.attention.wq.weight": 12, "layers.0.attention.wkv_b.weight": 16}
+    assert attention_row_blocks(mla, "fine") == {"layers.0.attention.wq.weight": (8, 4), "layers.0.attention.wkv_b.weight": (8, 8)}
+    assert attention_row_blocks(mla, "none") == {}
+    with pytest.raises(ValueError, match="mode='heads'"):
+        attention_row_blocks(mla, "heads")

@@ -49,3 +49,34 @@ def match_row_blocks(names: Sequence[str], row_blocks: Mapping[str, RowBlocks]) 
         for name in matched:
             resolved.setdefault(name, blocks)
     return resolved
+
+
+SPLIT_MODES = ("none", "head", "fine")
+
+
+def attention_row_blocks(model, mode: str = "head") -> dict[str, RowBlocks]:
+    """Row blocks of the attention projections of torchtitan's llama3 (GQA) and deepseek_v3 (MLA).
+
+    "head": GQA wq per Q head, wk / wv per KV head; MLA wq (or wq_b) per head as
+    [q_nope + q_rope] and wkv_b per head as [k_nope + v].
+    "fine" (GLM-5): MLA heads split further into q_nope | q_rope and k_nope | v.
+    "none": no split. Modules are recognized by the attributes torchtitan's attention sets.
+    """
+    if mode not in SPLIT_MODES:
+        raise ValueError(f"titan_muon split: mode={mode!r}; expected one of {SPLIT_MODES}")
+    if mode == "none":
+        return {}
+    blocks: dict[str, RowBlocks] = {}
+    for name, module in model.named_modules():
+        prefix = f"{name}." if name else ""
+        if hasattr(module, "wkv_b") and hasattr(module, "qk_nope_head_dim"):  # MLA
+            nope, rope, v = module.qk_nope_head_dim, module.qk_rope_head_dim, module.v_head_dim
+            query = "wq_b" if getattr(module, "q_lora_rank", 0) else "wq"
+            blocks[f"{prefix}{query}.weight"] = (nope, rope) if mode == "fine" else nope + rope
+            blocks[f"{prefix}wkv_b.weight"] = (nope, v) if mode == "fine" else nope + v
+        elif hasattr(module, "n_kv_heads") and hasattr(module, "head_dim") and hasattr(module, "wq"):  # GQA / MHA
+            for projection in ("wq", "wk", "wv"):
+                blocks[f"{prefix}{projection}.weight"] = module.head_dim
+    if not blocks:
+        raise ValueError("titan_muon split: no torchtitan llama3 / deepseek_v3 attention module found in the model")
+    return blocks
