@@ -4,9 +4,7 @@ Every launch goes through a subprocess with a timeout, so a hang fails the test.
 2-rank reference run (8 steps, checkpoint at step 4) is shared by most tests.
 """
 
-import os
 import shutil
-import signal
 import socket
 from pathlib import Path
 
@@ -14,7 +12,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from titan_muon.torchtitan.launch import (
-    REPO_ROOT, finish, log_tail, read_losses, read_scalars, run_training, start, torchrun_command,
+    REPO_ROOT, finish, log_tail, read_losses, read_scalars, run_training, start, stop, torchrun_command,
 )  # fmt: skip
 
 pytestmark = pytest.mark.timeout(900)
@@ -145,7 +143,7 @@ def test_two_nodes_match_one_node(reference, workdir):
     finally:
         for node in nodes:
             if node.poll() is None:
-                os.killpg(node.pid, signal.SIGKILL)
+                stop(node)
     assert [r.returncode for r in results] == [0, 0], "\n".join(log_tail(r, 4000) for r in results)
     assert read_losses(str(workdir / "two_nodes")) == read_losses(str(reference))
 

@@ -23,7 +23,7 @@ def torchrun_command(config: str, overrides: list[str], nproc: int = 2, rdzv: li
 
 
 def start(command: list[str]) -> subprocess.Popen:
-    """Start torchrun in its own process group, so :func:`finish` can stop its workers too."""
+    """Start torchrun in a process group of its own, for :func:`stop`."""
     return subprocess.Popen(
         command,
         cwd=REPO_ROOT,
@@ -36,14 +36,26 @@ def start(command: list[str]) -> subprocess.Popen:
 
 
 def finish(process: subprocess.Popen, timeout: float) -> subprocess.CompletedProcess:
-    """Wait for ``process``; past ``timeout`` kill torchrun and its workers, then raise."""
+    """Wait for ``process``; past ``timeout`` (or if interrupted) kill torchrun and its workers."""
     try:
         stdout, stderr = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.communicate()
+    except BaseException:  # the timeout, or the caller interrupted (Ctrl-C, pytest-timeout)
+        stop(process)
         raise
     return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+
+
+def stop(process: subprocess.Popen, grace: float = 30) -> None:
+    """SIGTERM first: torchrun then stops its workers, which run in sessions of their own."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(process.pid, sig)
+            process.communicate(timeout=grace)
+            return
+        except ProcessLookupError:
+            return
+        except subprocess.TimeoutExpired:
+            continue
 
 
 def run_training(
