@@ -81,6 +81,15 @@ def test_sharded_run_equals_one_process(world):
         assert 0 < result["bytes_sent"] <= 2 * result["local_muon_bytes"]
 
 
+def test_fp8_momentum_distributed_equals_fp8_one_process():
+    """Row-following scales and layout-independent stochastic rounding: W ranks == one process."""
+    results = run_distributed(_dtensor_run, 3, (3,), 4, {"momentum_dtype": "fp8"})
+    expected = _one_process(4, momentum_dtype="fp8")
+    for result in results:
+        for name in SHAPES:
+            assert (result["params"][name] - expected[name]).abs().max().item() <= 1e-5, name
+
+
 def test_hsdp_mesh_equals_one_process():
     results = run_distributed(_dtensor_run, 4, (2, 2), 3, {})
     expected = _one_process(3)

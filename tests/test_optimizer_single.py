@@ -177,3 +177,18 @@ def test_build_param_groups_splits_a_transformer_the_usual_way():
     loss = model.output(model.layers[0].w1(model.layers[0].wq(model.tok_embeddings(torch.tensor([1, 2]))))[:, :16]).sum()
     loss.backward()
     opt.step()
+
+
+def test_fp8_momentum_tracks_fp32_and_costs_about_one_byte():
+    params = make_params()
+    fp32, _ = run_titan(params, 10, set(params), lr=0.02, weight_decay=0.0)
+    fp8, opt = run_titan(params, 10, set(params), lr=0.02, weight_decay=0.0, momentum_dtype="fp8")
+    deltas = {n: fp8[n] - params[n] for n in params}
+    reference = {n: fp32[n] - params[n] for n in params}
+    error = max(((deltas[n] - reference[n]).norm() / reference[n].norm()).item() for n in params)
+    assert 0 < error < 0.1, error  # white-noise gradients: the worst case for quantized momentum
+    state = next(iter(opt.state.values()))
+    assert set(state) == {"momentum_fp8", "momentum_exp", "step"}
+    assert opt.storage.bytes_per_element(1024, 1024) < 1.1
+    with pytest.raises(ValueError, match="momentum_dtype='fp4'"):
+        Muon([nn.Parameter(torch.randn(4, 4))], momentum_dtype="fp4")

@@ -31,6 +31,7 @@ from torch.optim.adamw import adamw as adamw_functional
 from titan_muon.overlap import BackwardOverlap
 from titan_muon.newton_schulz import NS_METHODS, coefficient_schedule, newton_schulz_flops, orthogonalize
 from titan_muon.plan import Plan, Unit, build_plan, shard_rows
+from titan_muon.state import momentum_storage
 from titan_muon.split import RowBlocks, match_row_blocks, row_block_ranges
 from titan_muon.transport import Exchange, Transport
 from titan_muon.update import ADJUST_LR_FNS, apply_update, momentum_step, update_scale
@@ -78,6 +79,9 @@ class Muon(Optimizer):
         row_blocks: Muon Split. Maps FQN patterns (fnmatch) to row-block sizes: an int (one
             block per attention head) or a repeating sequence (e.g. ``(q_nope, q_rope)``).
             Each block is orthogonalized on its own and scaled by its own shape.
+        momentum_dtype: "fp32" (default), "bf16" or "fp8": how Muon momentum is stored (state.py);
+            fp8 is e4m3 with row-following power-of-two scales and stochastic rounding, about
+            1 byte per parameter, and reshards through DCP to any world size.
         overlap: start sending each bucket to its owners during backward, as soon as FSDP2 has
             reduce-scattered all its gradients (see overlap.py); same math, exact under
             gradient clipping and accumulation.
@@ -103,6 +107,7 @@ class Muon(Optimizer):
         nonfinite_grads: str = "raise",
         row_blocks: Mapping[str, RowBlocks] | None = None,
         overlap: bool = False,
+        momentum_dtype: str = "fp32",
     ):
         self.ns_dtype = _dtype(ns_dtype, "ns_dtype")
         self.comm_dtype = _dtype(comm_dtype, "comm_dtype")
@@ -113,6 +118,7 @@ class Muon(Optimizer):
         self.nonfinite_grads = nonfinite_grads
         self.row_blocks = dict(row_blocks or {})
         self.overlap = overlap
+        self.storage = momentum_storage(momentum_dtype)
         self._overlap: BackwardOverlap | None = None
         self.bucket_bytes = int(bucket_size_mb * 2**20)
         defaults = dict(
@@ -225,7 +231,7 @@ class Muon(Optimizer):
                 if state:
                     continue
                 if group["use_muon"]:
-                    state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state.update(self.storage.create(p))
                 else:
                     state["step"] = torch.tensor(0.0, dtype=torch.float32)
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
@@ -332,13 +338,14 @@ class Muon(Optimizer):
     def _muon_step(self, no_grad_anywhere: set[Tensor], arrived: dict[int, Tensor], grad_scale: float) -> tuple[float, int]:
         # Momentum on local shards; the matrices to orthogonalize, in local (row-shard) shape.
         to_orthogonalize: dict[int, Tensor] = {}
-        for entry in self._muon_params:
+        for index, entry in enumerate(self._muon_params):
             group, p = entry.group, entry.param
-            buf = _local(self.state[p]["momentum_buffer"])
             if p in no_grad_anywhere:
-                to_orthogonalize[id(entry)] = torch.zeros_like(buf)
+                to_orthogonalize[id(entry)] = torch.zeros(_local(p).shape, device=p.device)
                 continue
-            to_orthogonalize[id(entry)] = momentum_step(_local(p.grad), buf, group["momentum"], group["nesterov"])
+            momentum = self.storage.load(self.state[p])
+            to_orthogonalize[id(entry)] = momentum_step(_local(p.grad), momentum, group["momentum"], group["nesterov"])
+            self.storage.store(self.state[p], momentum, stream=index)
 
         updates = self._orthogonalize_all(to_orthogonalize, arrived, grad_scale)
 
@@ -517,7 +524,7 @@ class Muon(Optimizer):
                 )
             for index, pi in zip(saved["params"], range(len(group["params"]))):
                 keys = set(state_dict["state"].get(index, {}))
-                expected = {"momentum_buffer"} if group["use_muon"] else {"step", "exp_avg", "exp_avg_sq"}
+                expected = set(self.storage.keys) if group["use_muon"] else {"step", "exp_avg", "exp_avg_sq"}
                 if keys and keys != expected:
                     raise ValueError(
                         f"titan_muon.Muon: saved state of {self._param_name(gi, pi)!r} has keys {sorted(keys)}, "

@@ -71,7 +71,7 @@ class BackwardOverlap:
         momenta = {}
         for e in entries:
             state = self.opt.state.get(e.param)
-            momenta[id(e)] = _local(state["momentum_buffer"]) if state else torch.zeros_like(grads[id(e)])
+            momenta[id(e)] = self.opt.storage.load(state) if state else torch.zeros_like(grads[id(e)])
         send = self.opt._pack(bucket, [grads, momenta])
         rank = self.transport.rank
         counts_out = [2 * c for c in self.opt.plan.send_counts(bucket, rank)]
