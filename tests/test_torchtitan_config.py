@@ -46,6 +46,7 @@ def test_unknown_optimizer_key_is_named(tmp_path):
     "line, key",
     [
         ('ns_dtype = "fp16"', "ns_dtype"),
+        ('momentum_dtype = "fp16"', "momentum_dtype"),
         ("ns_steps = 0", "ns_steps"),
         ("momentum = 1.5", "momentum"),
         ('adamw_patterns = "layers.*"', "adamw_patterns"),
@@ -79,7 +80,10 @@ def tiny_llama() -> torch.nn.Module:
 
 
 def test_container_splits_muon_and_adamw_and_follows_the_lr_schedule():
-    config = parse("--optimizer.adamw_lr", "0.004", "--optimizer.adamw_patterns", "layers.0.feed_forward.*")
+    config = parse(
+        "--optimizer.adamw_lr", "0.004", "--optimizer.adamw_patterns", "layers.0.feed_forward.*",
+        "--optimizer.momentum_dtype", "bf16",
+    )  # fmt: skip
     model = tiny_llama()
     container = MuonOptimizersContainer([model], config.optimizer)
     (optimizer,) = container.optimizers

@@ -28,6 +28,8 @@ class Optimizer:
     """Newton-Schulz matmul precision: "fp32" (fast on CPU) or "bf16" (fast on GPU)."""
     comm_dtype: Literal["fp32", "bf16"] = "fp32"
     """dtype of the momentum / update traffic between ranks: "fp32" or "bf16"."""
+    momentum_dtype: Literal["fp32", "bf16", "fp8"] = "fp32"
+    """How Muon momentum is stored: "bf16" halves it, "fp8" (row-scaled) quarters it."""
     adjust_lr_fn: Literal["original", "match_rms_adamw"] = "original"
     """"original": scale by sqrt(max(1, rows/cols)); "match_rms_adamw": 0.2*sqrt(max(rows, cols)),
     which lets Muon reuse an AdamW learning rate."""

@@ -30,6 +30,7 @@ def muon_kwargs(config: Any) -> dict[str, Any]:
         ns_coefficients=config.ns_coefficients,
         ns_dtype=config.ns_dtype,
         comm_dtype=config.comm_dtype,
+        momentum_dtype=config.momentum_dtype,
         adamw_betas=(config.beta1, config.beta2),
         adamw_eps=config.eps,
         bucket_size_mb=config.bucket_size_mb,
