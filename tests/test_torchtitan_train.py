@@ -142,7 +142,9 @@ def test_two_nodes_match_one_node(reference, workdir):
     """Two launches with --nnodes 2 and one rank each, rendezvous over c10d on 127.0.0.1."""
     rdzv = ["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", "t"]
     command = torchrun_command(MUON, tiny(workdir, "two_nodes"), nproc=1, rdzv=rdzv)
-    nodes = [start(command) for _ in range(2)]
+    # torchrun sets OMP_NUM_THREADS=1 only with several ranks per node; the one-node run
+    # had it, and a different thread count changes the order of float sums in the kernels.
+    nodes = [start(command, env={"OMP_NUM_THREADS": "1"}) for _ in range(2)]
     try:
         results = [finish(node, timeout=RUN_TIMEOUT) for node in nodes]
     finally:

@@ -22,12 +22,12 @@ def torchrun_command(config: str, overrides: list[str], nproc: int = 2, rdzv: li
     ]  # fmt: skip
 
 
-def start(command: list[str]) -> subprocess.Popen:
+def start(command: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
     """Start torchrun in a process group of its own, for :func:`stop`."""
     return subprocess.Popen(
         command,
         cwd=REPO_ROOT,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
