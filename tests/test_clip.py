@@ -158,54 +158,57 @@ def test_recording_needs_no_full_logit_matrix():
 # ---------------------------------------------------------------- clipping
 
 
-def _boost_and_pick_tau(model, kind, batch):
-    """Make some heads (for GQA: all of KV group 0 and one head of group 1) clearly the largest, then
-    choose tau between them and the rest, so every situation of the rules is exercised."""
+def boost(model, kind):
+    """Make some heads (for GQA: all of KV group 0 and one head of group 1) clearly the largest;
+    returns their (layer, head) mask. A tau between them and the rest exercises every rule."""
     layers = find_attention_layers(model)
     boosted = [0, 1, 2, 3] if kind == "gqa" else [1]  # GQA: heads 0-2 are KV group 0
     with torch.no_grad():
         for layer in layers:
-            m = layer.module
-            wq = m.wq if kind != "mla_lora" else m.wq_b
+            wq = layer.module.wq_b if kind == "mla_lora" else layer.module.wq
             rows = wq.weight.shape[0] // layer.n_heads
             for h in boosted:
                 wq.weight[h * rows : (h + 1) * rows] *= 4
-    capture = Capture(model)
-    with torch.no_grad():
-        model(batch)
-    s = capture.head_max()
-    capture.remove()
-    mask = torch.zeros_like(s, dtype=torch.bool)
+    mask = torch.zeros(len(layers), layers[0].n_heads, dtype=torch.bool)
     mask[:, boosted] = True
-    low, high = s[~mask].max().item(), s[mask].min().item()
+    return mask
+
+
+def tau_between(s, boosted):
+    low, high = s[~boosted].max().item(), s[boosted].min().item()
     assert low < high, (s, boosted)
-    return (low + high) / 2, mask
+    return (low + high) / 2
+
+
+def check_clipped_logits(before, after, s, tau, clipped):
+    """Clipped heads: every logit times tau / S, so all <= tau. Others: unchanged."""
+    for i in before:
+        for h in range(s.shape[1]):
+            if clipped[i, h]:
+                torch.testing.assert_close(after[i][:, h], before[i][:, h] * (tau / s[i, h]), rtol=1e-5, atol=1e-5 * tau)
+                assert after[i][:, h].max() <= tau * (1 + 1e-4)
+            else:
+                torch.testing.assert_close(after[i][:, h], before[i][:, h], rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("kind", sorted(MODELS))
 def test_clip_bounds_clipped_heads_and_keeps_the_others(kind):
     model = MODELS[kind]()
     batch = tokens(0, batch=3)
-    tau, expect_clipped = _boost_and_pick_tau(model, kind, batch)
-    qk_clip = QKClip(model, tau=tau, alpha=0.5, chunk_elements=64)
+    boosted = boost(model, kind)
     capture = Capture(model)
+    with torch.no_grad():
+        model(batch)
+    tau = tau_between(capture.head_max(), boosted)
+    qk_clip = QKClip(model, tau=tau, alpha=0.5, chunk_elements=64)
     before_weights = {n: p.detach().clone() for n, p in model.named_parameters()}
     with torch.no_grad():
         model(batch)
     before, s = capture.rerun_layers(), capture.head_max()
     metrics = qk_clip.reduce_and_clip(lr=1.0)
-    assert metrics["qk_clip/heads_clipped"] == int(expect_clipped.sum())
+    assert metrics["qk_clip/heads_clipped"] == int(boosted.sum())
     assert metrics["qk_clip/max_logit"] == pytest.approx(s.max().item(), rel=1e-5)
-
-    after = capture.rerun_layers()
-    for i in before:
-        for h in range(s.shape[1]):
-            if expect_clipped[i, h]:
-                gamma = tau / s[i, h]
-                torch.testing.assert_close(after[i][:, h], before[i][:, h] * gamma, rtol=1e-5, atol=1e-5 * tau)
-                assert after[i][:, h].max() <= tau * (1 + 1e-4)
-            else:
-                torch.testing.assert_close(after[i][:, h], before[i][:, h], rtol=1e-6, atol=1e-7)
+    check_clipped_logits(before, capture.rerun_layers(), s, tau, boosted)
 
     changed = {n for n, p in model.named_parameters() if not torch.equal(p, before_weights[n])}
     if kind == "gqa":  # KV group 0 is fully clipped: K takes a share; group 1 has unclipped heads: K untouched
