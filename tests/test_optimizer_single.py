@@ -192,3 +192,19 @@ def test_fp8_momentum_tracks_fp32_and_costs_about_one_byte():
     assert opt.storage.bytes_per_element(1024, 1024) < 1.1
     with pytest.raises(ValueError, match="momentum_dtype='fp4'"):
         Muon([nn.Parameter(torch.randn(4, 4))], momentum_dtype="fp4")
+
+
+def test_settings_changed_after_load_state_dict_take_effect():
+    """load_state_dict replaces the group dicts; lr schedules must keep reaching Muon matrices."""
+    params = make_params()
+    _, opt = run_titan(params, 2, {"a", "b"}, lr=0.01)
+    tensors, fresh = run_titan(params, 0, {"a", "b"}, lr=0.01)
+    fresh.load_state_dict(copy.deepcopy(opt.state_dict()))
+    for group in fresh.param_groups:
+        group["lr"] = 0.0
+    before = {n: t.clone() for n, t in tensors.items()}
+    for p in fresh.param_groups[0]["params"] + fresh.param_groups[1]["params"]:
+        p.grad = torch.randn_like(p)
+    fresh.step()
+    for n in tensors:
+        assert torch.equal(tensors[n], before[n]), n

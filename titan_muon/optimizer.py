@@ -46,7 +46,8 @@ class _MuonParam:
 
     param: Tensor
     name: str
-    group: dict
+    group: dict  # rebound after load_state_dict, which replaces the group dicts
+    group_index: int
     sharded: bool  # rows spread over the process group (else the whole matrix is local)
 
 
@@ -185,7 +186,7 @@ class Muon(Optimizer):
                         "matrices only. Put it in a group with use_muon=False (titan_muon.build_param_groups "
                         "does this for embeddings, the output head, norms and biases)."
                     )
-                self._muon_params.append(_MuonParam(p, name, group, sharded=shard_group is not None))
+                self._muon_params.append(_MuonParam(p, name, group, gi, sharded=shard_group is not None))
 
         self.transport = Transport(group_of_shards)
         world, rank = self.transport.world_size, self.transport.rank
@@ -532,6 +533,8 @@ class Muon(Optimizer):
                         "was the checkpoint written with another optimizer or parameter split?"
                     )
         super().load_state_dict(state_dict)
+        for entry in self._muon_params:
+            entry.group = self.param_groups[entry.group_index]
 
 
 def _offsets(counts: list[int]) -> list[int]:
