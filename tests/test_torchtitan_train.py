@@ -174,3 +174,18 @@ def test_other_configs_train(workdir, config, flavor, extra):
     assert sorted(read_losses(str(dump))) == [1, 2, 3]
     if extra:
         assert sorted(read_scalars(str(dump), "validation_metrics/loss")) == [1, 3]  # step 1, then every 3
+
+
+def test_mla_with_split_overlap_and_fp8_resumes_exactly(workdir):
+    """train_configs/mla_muon.toml turns on split = "head", overlap = true, momentum_dtype = "fp8"."""
+    config, steps = "train_configs/mla_muon.toml", ["--model.flavor", "tiny_dense", "--training.steps", "4"]
+    checkpoint = ["--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.no-last-save-model-only"]
+    run_training_with_timeout(config, tiny(workdir, "mla_straight", *steps, *checkpoint))
+    straight = workdir / "mla_straight"
+    target = workdir / "mla_resumed" / "checkpoint" / "step-2"
+    shutil.copytree(straight / "checkpoint" / "step-2", target)
+    run_training_with_timeout(config, tiny(workdir, "mla_resumed", *steps, *checkpoint))
+    expected, resumed = read_losses(str(straight)), read_losses(str(workdir / "mla_resumed"))
+    assert sorted(resumed) == [3, 4]
+    assert resumed == {step: expected[step] for step in resumed}
+    assert any(v > 0 for v in read_scalars(str(straight), "muon/buckets_sent_in_backward").values())  # overlap ran

@@ -34,6 +34,11 @@ class Optimizer:
     """"original": scale by sqrt(max(1, rows/cols)); "match_rms_adamw": 0.2*sqrt(max(rows, cols)),
     which lets Muon reuse an AdamW learning rate."""
     bucket_size_mb: float = 64.0
+    overlap: bool = False
+    """Send each bucket's gradient rows to their owners during backward (FSDP2 hooks)."""
+    split: Literal["none", "head", "fine"] = "none"
+    """Muon Split: orthogonalize attention projections per head ("head"), or MLA heads further
+    into nope | rope and k_nope | v ("fine", GLM-5); "none" orthogonalizes whole matrices."""
     nonfinite_grads: Literal["raise", "skip"] = "raise"
     """What to do with a NaN/inf gradient: "raise" on every rank, or "skip" the step."""
 
@@ -92,8 +97,9 @@ def validate_optimizer_config(config: Any) -> None:
 
     if not _is_number(config.momentum) or not 0 <= config.momentum < 1:
         fail("momentum", "in [0, 1)")
-    if not isinstance(config.nesterov, bool):
-        fail("nesterov", "true or false")
+    for key in ("nesterov", "overlap"):
+        if not isinstance(getattr(config, key), bool):
+            fail(key, "true or false")
     if not isinstance(config.ns_steps, int) or isinstance(config.ns_steps, bool) or config.ns_steps < 1:
         fail("ns_steps", "a positive integer")
     for key, choices in _CHOICES.items():

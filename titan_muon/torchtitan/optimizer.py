@@ -15,6 +15,7 @@ from torchtitan.components.optimizer import OptimizersContainer, build_optimizer
 from torchtitan.distributed import ParallelDims
 
 from titan_muon import Muon, build_param_groups
+from titan_muon.split import attention_row_blocks
 from titan_muon.torchtitan.config import validate_optimizer_config
 from titan_muon.torchtitan.metrics import time_optimizer_steps
 
@@ -35,6 +36,7 @@ def muon_kwargs(config: Any) -> dict[str, Any]:
         adamw_eps=config.eps,
         bucket_size_mb=config.bucket_size_mb,
         nonfinite_grads=config.nonfinite_grads,
+        overlap=config.overlap,
     )
 
 
@@ -54,7 +56,11 @@ class MuonOptimizersContainer(OptimizersContainer):
         kwargs = muon_kwargs(config)
         self.model_parts = model_parts
         self.optimizers = [
-            Muon(build_param_groups(model.named_parameters(), **param_group_kwargs(config)), **kwargs)
+            Muon(
+                build_param_groups(model.named_parameters(), **param_group_kwargs(config)),
+                row_blocks=attention_row_blocks(model, config.split),
+                **kwargs,
+            )
             for model in model_parts
         ]
         self._validate_length(len(model_parts))
