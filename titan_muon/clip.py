@@ -172,7 +172,7 @@ class QKClip:
         metrics = qk_clip.reduce_and_clip(optimizer)    # one MAX all-reduce, clip, reset
 
     Only forwards in training mode record (validation under ``model.eval()`` does not).
-    ``group`` is the data-parallel (and context-parallel-free) process group; None = world.
+    ``group`` is the data-parallel process group (HSDP: replicate × shard); None = the world.
     """
 
     def __init__(
