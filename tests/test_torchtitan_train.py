@@ -177,8 +177,8 @@ def test_other_configs_train(workdir, config, flavor, extra):
 
 
 def test_mla_with_split_overlap_and_fp8_resumes_exactly(workdir):
-    """train_configs/mla_muon.toml turns on split = "head", overlap = true, momentum_dtype = "fp8"."""
-    config, steps = "train_configs/mla_muon.toml", ["--model.flavor", "tiny_dense", "--training.steps", "4"]
+    """train_configs/mla_muon.toml turns on split, overlap, fp8 momentum and MuonClip (forced to clip here)."""
+    config, steps = "train_configs/mla_muon.toml", ["--model.flavor", "tiny_dense", "--training.steps", "4", "--optimizer.qk_clip_tau", "0.05"]
     checkpoint = ["--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.no-last-save-model-only"]
     run_training_with_timeout(config, tiny(workdir, "mla_straight", *steps, *checkpoint))
     straight = workdir / "mla_straight"
@@ -189,3 +189,6 @@ def test_mla_with_split_overlap_and_fp8_resumes_exactly(workdir):
     assert sorted(resumed) == [3, 4]
     assert resumed == {step: expected[step] for step in resumed}
     assert any(v > 0 for v in read_scalars(str(straight), "muon/buckets_sent_in_backward").values())  # overlap ran
+    assert any(v > 0 for v in read_scalars(str(straight), "qk_clip/heads_clipped").values())  # MuonClip clipped
+    # Max logits start near 0.07 on this model; each clipped step brings them back to tau.
+    assert any(v > 0.05 for v in read_scalars(str(straight), "qk_clip/max_logit").values())

@@ -39,6 +39,12 @@ class Optimizer:
     split: Literal["none", "head", "fine"] = "none"
     """Muon Split: orthogonalize attention projections per head ("head"), or MLA heads further
     into nope | rope and k_nope | v ("fine", GLM-5); "none" orthogonalizes whole matrices."""
+    qk_clip: bool = False
+    """MuonClip: record each attention head's max pre-softmax logit and, after each step,
+    rescale the query/key rows of heads above qk_clip_tau (see docs/muonclip.md)."""
+    qk_clip_tau: float = 100.0
+    qk_clip_alpha: float = 0.5
+    """Share of the clip put on the query side (MHA; MLA's q_nope / k_nope)."""
     nonfinite_grads: Literal["raise", "skip"] = "raise"
     """What to do with a NaN/inf gradient: "raise" on every rank, or "skip" the step."""
 
@@ -97,7 +103,11 @@ def validate_optimizer_config(config: Any) -> None:
 
     if not _is_number(config.momentum) or not 0 <= config.momentum < 1:
         fail("momentum", "in [0, 1)")
-    for key in ("nesterov", "overlap"):
+    if not _is_number(config.qk_clip_tau) or config.qk_clip_tau <= 0:
+        fail("qk_clip_tau", "a positive number")
+    if not _is_number(config.qk_clip_alpha) or not 0 <= config.qk_clip_alpha <= 1:
+        fail("qk_clip_alpha", "in [0, 1]")
+    for key in ("nesterov", "overlap", "qk_clip"):
         if not isinstance(getattr(config, key), bool):
             fail(key, "true or false")
     if not isinstance(config.ns_steps, int) or isinstance(config.ns_steps, bool) or config.ns_steps < 1:
