@@ -56,14 +56,7 @@ class MuonOptimizersContainer(OptimizersContainer):
     def __init__(self, model_parts: list[nn.Module], config: Any) -> None:
         kwargs = muon_kwargs(config)
         self.model_parts = model_parts
-        self.optimizers = [
-            Muon(
-                build_param_groups(model.named_parameters(), **param_group_kwargs(config)),
-                row_blocks=attention_row_blocks(model, config.split),
-                **kwargs,
-            )
-            for model in model_parts
-        ]
+        self.optimizers = [self._build(model, config, kwargs) for model in model_parts]
         self._validate_length(len(model_parts))
         params = [p for model in model_parts for p in model.parameters() if p.requires_grad]
         self._post_init(params, kwargs)
@@ -76,6 +69,14 @@ class MuonOptimizersContainer(OptimizersContainer):
         self.qk_clip_metrics = {}
         for qk_clip, optimizer in zip(self.qk_clips, self.optimizers):
             self.qk_clip_metrics.update(qk_clip.reduce_and_clip(optimizer))
+
+    @staticmethod
+    def _build(model: nn.Module, config: Any, kwargs: dict[str, Any]) -> Muon:
+        groups = build_param_groups(model.named_parameters(), **param_group_kwargs(config))
+        muon_names = {name for group in groups if group["use_muon"] for name in group["param_names"]}
+        # Split only what is optimized by Muon: adamw_patterns may have moved attention weights.
+        blocks = {name: rows for name, rows in attention_row_blocks(model, config.split).items() if name in muon_names}
+        return Muon(groups, row_blocks=blocks, **kwargs)
 
     @property
     def last_step_metrics(self) -> dict[str, float]:
