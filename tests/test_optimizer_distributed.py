@@ -151,9 +151,8 @@ def _loss(model, tokens):
     return nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), tokens[:, 1:].reshape(-1))
 
 
-def _fsdp_run(rank, world, steps):
-    from titan_muon import build_param_groups
-
+def fsdp_model(world):
+    """TinyTransformerish with the one-process initialization, FSDP2-sharded per block and at the root."""
     torch.manual_seed(0)
     model = TinyTransformerish()
     mesh = init_device_mesh("cpu", (world,))
@@ -161,6 +160,13 @@ def _fsdp_run(rank, world, steps):
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     model.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
+    return model
+
+
+def _fsdp_run(rank, world, steps):
+    from titan_muon import build_param_groups
+
+    model = fsdp_model(world)
     opt = Muon(build_param_groups(model, adamw_lr=3e-3), lr=0.02, adjust_lr_fn="match_rms_adamw")
     losses = []
     for s in range(steps):

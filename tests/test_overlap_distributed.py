@@ -2,22 +2,14 @@
 
 import pytest
 import torch
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 
 from distributed import run_distributed
-from test_optimizer_distributed import TinyTransformerish, _batches, _loss
+from test_optimizer_distributed import _batches, _loss, fsdp_model
 from titan_muon import Muon, build_param_groups
 
 
 def _train(rank, world, overlap, clip, micro_batches, tamper, steps=3):
-    torch.manual_seed(0)
-    model = TinyTransformerish()
-    mesh = init_device_mesh("cpu", (world,))
-    for block in model.layers:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    model.set_force_sum_reduction_for_comms(True)
+    model = fsdp_model(world)
     opt = Muon(build_param_groups(model, adamw_lr=3e-3), lr=0.02, adjust_lr_fn="match_rms_adamw",
                bucket_size_mb=0.002, overlap=overlap)  # fmt: skip
     sent_in_backward = []

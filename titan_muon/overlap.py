@@ -44,6 +44,7 @@ class BackwardOverlap:
         self.fired: list[set[int]] = [set() for _ in plan.buckets]
         self.launches: dict[int, list[tuple[Exchange, Tensor]]] = defaultdict(list)
         self.handles = []
+        self._rows: dict[int, tuple[Tensor, Tensor] | None] = {}  # per step: _sent_and_final, computed once
         for entries in self.bucket_entries:
             for entry in entries.values():
                 if not any(h[0] is entry for h in self.handles):
@@ -88,6 +89,11 @@ class BackwardOverlap:
 
         None if a gradient of the bucket has been removed since it was sent.
         """
+        if bucket not in self._rows:
+            self._rows[bucket] = self._compute_sent_and_final(bucket)
+        return self._rows[bucket]
+
+    def _compute_sent_and_final(self, bucket: int) -> tuple[Tensor, Tensor] | None:
         entries = self.bucket_entries[bucket].values()
         if any(e.param.grad is None for e in entries):
             return None
@@ -99,7 +105,7 @@ class BackwardOverlap:
             start += 2 * c
         sent = torch.cat([send[s : s + c] for s, c in zip(starts, counts)])
         final = self.opt._pack(bucket, [{id(e): _local(e.param.grad) for e in entries}])
-        return sent.double(), final.double()
+        return sent.double(), final.double()  # float64: the scale estimate must be exact to fp32 precision
 
     def scale_sums(self) -> tuple[float, float]:
         """Local ⟨g_final, g_sent⟩ and ⟨g_sent, g_sent⟩ over launched buckets."""
@@ -129,6 +135,7 @@ class BackwardOverlap:
         """Wait for every send of this step; the last one of each bucket is what counts."""
         arrived = {b: [exchange.wait() for exchange, _ in sends][-1] for b, sends in self.launches.items()}
         self.launches.clear()
+        self._rows.clear()
         for fired in self.fired:
             fired.clear()
         return arrived
