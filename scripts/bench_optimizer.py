@@ -31,7 +31,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from titan_muon import Muon
-from titan_muon.newton_schulz import newton_schulz_flops, orthogonalize
+from titan_muon.newton_schulz import orthogonalize
 from titan_muon.plan import shard_rows
 from titan_muon.update import apply_update, momentum_step, update_scale
 

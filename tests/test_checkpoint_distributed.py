@@ -1,7 +1,6 @@
 """DCP: Muon/AdamW state saved on 2 ranks loads on 1, 3 and 4 ranks and the next step matches."""
 
 import pytest
-import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh

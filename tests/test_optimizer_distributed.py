@@ -6,15 +6,13 @@ Every run goes through tests/distributed.py, which kills all ranks and fails aft
 import pytest
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from common import grads_for, make_params, run_titan
-from distributed import RankError, run_distributed
+from distributed import run_distributed
 from titan_muon import Muon
 
 # Uneven dim 0 (30, 63 on 2/4 ranks), fewer rows than ranks (3 on 4), wide and tall, plus AdamW tensors.

@@ -6,10 +6,9 @@ import pytest
 import torch
 from torch import nn
 
-from common import grads_for, make_params
 from distributed import run_distributed
 from reference import reference_ns
-from test_optimizer_distributed import MUON, SETTINGS, SHAPES, _dtensor_run, _one_process
+from test_optimizer_distributed import SHAPES, _dtensor_run, _one_process
 from titan_muon import Muon
 from titan_muon.split import match_row_blocks, row_block_ranges
 

@@ -30,11 +30,11 @@ from torch.optim.adamw import adamw as adamw_functional
 
 from titan_muon.overlap import BackwardOverlap
 from titan_muon.newton_schulz import NS_METHODS, coefficient_schedule, newton_schulz_flops, orthogonalize
-from titan_muon.plan import Plan, Unit, build_plan, shard_rows
+from titan_muon.plan import Plan, Unit, build_plan, offsets, shard_rows
 from titan_muon.state import momentum_storage
 from titan_muon.split import RowBlocks, match_row_blocks, row_block_ranges
 from titan_muon.transport import Exchange, Transport
-from titan_muon.update import ADJUST_LR_FNS, apply_update, momentum_step, update_scale
+from titan_muon.update import ADJUST_LR_FNS, apply_update, local_shard, momentum_step, update_scale
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 NONFINITE_POLICIES = ("raise", "skip")
@@ -49,10 +49,6 @@ class _MuonParam:
     group: dict  # rebound after load_state_dict, which replaces the group dicts
     group_index: int
     sharded: bool  # rows spread over the process group (else the whole matrix is local)
-
-
-def _local(t: Tensor) -> Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _dtype(name: str, key: str) -> torch.dtype:
@@ -192,7 +188,7 @@ class Muon(Optimizer):
         world, rank = self.transport.world_size, self.transport.rank
         for entry in self._muon_params:
             if entry.sharded:
-                local_rows = _local(entry.param).shape[0]
+                local_rows = local_shard(entry.param).shape[0]
                 start, end = shard_rows(entry.param.shape[0], world)[rank]
                 if local_rows != end - start:
                     raise ValueError(
@@ -283,7 +279,7 @@ class Muon(Optimizer):
         step. Raises the same error on every rank, before anything changes.
         """
         params = [(gi, pi, p) for gi, g in enumerate(self.param_groups) for pi, p in enumerate(g["params"])]
-        grads = [None if p.grad is None else _local(p.grad) for _, _, p in params]
+        grads = [None if p.grad is None else local_shard(p.grad) for _, _, p in params]
         present = [g is not None and g.numel() > 0 for g in grads]
         norms = torch._foreach_norm([g for g, ok in zip(grads, present) if ok], float("inf")) if any(present) else []
         finite = iter(torch.isfinite(torch.stack(norms)).tolist() if norms else [])
@@ -342,10 +338,10 @@ class Muon(Optimizer):
         for index, entry in enumerate(self._muon_params):
             group, p = entry.group, entry.param
             if p in no_grad_anywhere:
-                to_orthogonalize[id(entry)] = torch.zeros(_local(p).shape, device=p.device)
+                to_orthogonalize[id(entry)] = torch.zeros(local_shard(p).shape, device=p.device)
                 continue
             momentum = self.storage.load(self.state[p])
-            to_orthogonalize[id(entry)] = momentum_step(_local(p.grad), momentum, group["momentum"], group["nesterov"])
+            to_orthogonalize[id(entry)] = momentum_step(local_shard(p.grad), momentum, group["momentum"], group["nesterov"])
             self.storage.store(self.state[p], momentum, stream=index)
 
         updates = self._orthogonalize_all(to_orthogonalize, arrived, grad_scale)
@@ -355,7 +351,7 @@ class Muon(Optimizer):
             if entry.param in no_grad_anywhere:
                 continue
             group, update = entry.group, updates[id(entry)]
-            apply_update(_local(entry.param), update, group["lr"], group["weight_decay"])
+            apply_update(local_shard(entry.param), update, group["lr"], group["weight_decay"])
             sq_sum += float(update.square().sum()) * group["lr"] ** 2
             numel += update.numel()
         return sq_sum, numel
@@ -446,8 +442,8 @@ class Muon(Optimizer):
         """
         rank, world = self.transport.rank, self.transport.world_size
         counts = self.plan.recv_counts(bucket, rank)
-        source_base = _offsets([parts * c for c in counts])
-        return_base = _offsets(counts)
+        source_base = offsets([parts * c for c in counts])
+        return_base = offsets(counts)
         filled = [0] * world
         owned = []
         for u in self.plan.owned_units(bucket, rank):
@@ -493,10 +489,10 @@ class Muon(Optimizer):
                 if p.grad is None:
                     continue
                 state = self.state[p]
-                params.append(_local(p))
-                grads.append(_local(p.grad))
-                exp_avgs.append(_local(state["exp_avg"]))
-                exp_avg_sqs.append(_local(state["exp_avg_sq"]))
+                params.append(local_shard(p))
+                grads.append(local_shard(p.grad))
+                exp_avgs.append(local_shard(state["exp_avg"]))
+                exp_avg_sqs.append(local_shard(state["exp_avg_sq"]))
                 steps.append(state["step"])
             if not params:
                 continue
@@ -535,14 +531,6 @@ class Muon(Optimizer):
         super().load_state_dict(state_dict)
         for entry in self._muon_params:
             entry.group = self.param_groups[entry.group_index]
-
-
-def _offsets(counts: list[int]) -> list[int]:
-    offsets, total = [], 0
-    for c in counts:
-        offsets.append(total)
-        total += c
-    return offsets
 
 
 def _twin_group(mesh, ranks: list[int]) -> dist.ProcessGroup:

@@ -20,13 +20,10 @@ from collections import defaultdict
 
 import torch
 from torch import Tensor
-from torch.distributed.tensor import DTensor
 
+from titan_muon.plan import offsets
 from titan_muon.transport import Exchange, Transport
-
-
-def _local(t: Tensor) -> Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
+from titan_muon.update import local_shard
 
 
 class BackwardOverlap:
@@ -68,7 +65,7 @@ class BackwardOverlap:
 
     def _launch(self, bucket: int) -> None:
         entries = self.bucket_entries[bucket].values()
-        grads = {id(e): _local(e.param.grad) for e in entries}
+        grads = {id(e): local_shard(e.param.grad) for e in entries}
         momenta = {}
         for e in entries:
             state = self.opt.state.get(e.param)
@@ -99,12 +96,9 @@ class BackwardOverlap:
             return None
         _, send = self.launches[bucket][-1]
         counts = self.opt.plan.send_counts(bucket, self.transport.rank)
-        starts, start = [], 0
-        for c in counts:
-            starts.append(start)
-            start += 2 * c
+        starts = offsets([2 * c for c in counts])  # per owner: gradient rows, then momentum rows
         sent = torch.cat([send[s : s + c] for s, c in zip(starts, counts)])
-        final = self.opt._pack(bucket, [{id(e): _local(e.param.grad) for e in entries}])
+        final = self.opt._pack(bucket, [{id(e): local_shard(e.param.grad) for e in entries}])
         return sent.double(), final.double()  # float64: the scale estimate must be exact to fp32 precision
 
     def scale_sums(self) -> tuple[float, float]:

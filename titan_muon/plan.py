@@ -110,6 +110,15 @@ class Plan:
         return int.from_bytes(digest.digest()[:8], "little") >> 1
 
 
+def offsets(counts: list[int]) -> list[int]:
+    """Start of each block in a buffer holding blocks of `counts` elements back to back."""
+    starts, total = [], 0
+    for c in counts:
+        starts.append(total)
+        total += c
+    return starts
+
+
 def make_buckets(unit_bytes: list[int], bucket_bytes: int) -> list[list[int]]:
     """Consecutive units, each bucket at most `bucket_bytes` unless a single unit is larger."""
     buckets: list[list[int]] = []

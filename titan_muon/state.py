@@ -22,6 +22,8 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from titan_muon.update import local_shard
+
 MOMENTUM_DTYPES = ("fp32", "bf16", "fp8")
 ROUNDINGS = ("nearest", "stochastic")
 FP8 = torch.float8_e4m3fn
@@ -90,11 +92,11 @@ class Fp32Storage(MomentumStorage):
         return {"momentum_buffer": _like_rows(param, param.shape[1], torch.float32)}
 
     def load(self, state):
-        buf = _local(_heal(state, "momentum_buffer", torch.float32))
+        buf = local_shard(_heal(state, "momentum_buffer", torch.float32))
         return buf  # the buffer itself: updating it in place is the store
 
     def store(self, state, momentum, stream=0):
-        buf = _local(_heal(state, "momentum_buffer", torch.float32))
+        buf = local_shard(_heal(state, "momentum_buffer", torch.float32))
         _check_shape(momentum, buf)
         if momentum is not buf:
             buf.copy_(momentum)
@@ -118,17 +120,17 @@ class Bf16Storage(MomentumStorage):
         return state
 
     def load(self, state):
-        return _local(_heal(state, "momentum_buffer", torch.bfloat16)).float()
+        return local_shard(_heal(state, "momentum_buffer", torch.bfloat16)).float()
 
     def store(self, state, momentum, stream=0):
         buf = _heal(state, "momentum_buffer", torch.bfloat16)
-        _check_shape(momentum, _local(buf))
+        _check_shape(momentum, local_shard(buf))
         if self.rounding == "nearest":
-            _local(buf).copy_(momentum)
+            local_shard(buf).copy_(momentum)
             return
         state["step"] += 1
         noise = _noise(int(state["step"]), stream, buf, 16)
-        _local(buf).copy_(_round_bits_(momentum.clone(), noise, 16))
+        local_shard(buf).copy_(_round_bits_(momentum.clone(), noise, 16))
 
     def bytes_per_element(self, rows, cols):
         return 2.0 + (8.0 / (rows * cols) if self.rounding == "stochastic" else 0.0)
@@ -164,7 +166,7 @@ class Fp8Storage(MomentumStorage):
         }
 
     def load(self, state):
-        codes, exps = _local(_heal(state, "momentum_fp8", torch.uint8)), _local(_heal(state, "momentum_exp", torch.int8))
+        codes, exps = local_shard(_heal(state, "momentum_fp8", torch.uint8)), local_shard(_heal(state, "momentum_exp", torch.int8))
         m = codes.view(FP8).float()
         for block, e in zip(_column_blocks(m, self.block_cols), exps.unbind(1)):
             block.mul_(_pow2(e).unsqueeze(-1))
@@ -172,7 +174,7 @@ class Fp8Storage(MomentumStorage):
 
     def store(self, state, momentum, stream=0):
         codes, exps_state = _heal(state, "momentum_fp8", torch.uint8), _heal(state, "momentum_exp", torch.int8)
-        _check_shape(momentum, _local(codes))
+        _check_shape(momentum, local_shard(codes))
         state["step"] += 1
         blocks = _column_blocks(momentum, self.block_cols)
         amax = torch.stack([b.abs().amax(dim=-1) for b in blocks], dim=1) if blocks else momentum.new_empty(momentum.shape[0], 0)
@@ -184,18 +186,14 @@ class Fp8Storage(MomentumStorage):
             # fp32 has 23 mantissa bits, e4m3 has 3: round the 20 dropped bits stochastically;
             # the result is then exact in e4m3 (except for its subnormals, which round to nearest).
             _round_bits_(scaled, _noise(int(state["step"]), stream, codes, 20), 20)
-        _local(codes).copy_(scaled.to(FP8).view(torch.uint8))
-        _local(exps_state).copy_(exps)
+        local_shard(codes).copy_(scaled.to(FP8).view(torch.uint8))
+        local_shard(exps_state).copy_(exps)
 
     def bytes_per_element(self, rows, cols):
         return 1.0 + self._blocks(cols) / cols + 8.0 / (rows * cols)
 
 
 # ----------------------------------------------------------------------------- helpers
-
-
-def _local(t: Tensor) -> Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _check_param(param: Tensor) -> None:
@@ -226,7 +224,7 @@ def _shard_dim(t: DTensor) -> int | None:
 
 def _like_rows(param: Tensor, cols: int, dtype: torch.dtype) -> Tensor:
     """Zeros with param's rows (and row split) and `cols` columns."""
-    local = torch.zeros(_local(param).shape[0], cols, dtype=dtype, device=param.device)
+    local = torch.zeros(local_shard(param).shape[0], cols, dtype=dtype, device=param.device)
     if not isinstance(param, DTensor):
         return local
     return DTensor.from_local(
@@ -291,7 +289,7 @@ def _noise(step: int, stream: int, like: Tensor, bits: int) -> Tensor:
     column count); each group has its own generator seeded from (step, stream, group). A shard
     draws the groups its rows touch and keeps its rows, so any row split sees the same noise.
     """
-    rows, cols = _local(like).shape
+    rows, cols = local_shard(like).shape
     global_rows = like.shape[0]
     out = torch.empty(rows, cols, dtype=torch.int32)
     if rows == 0:

@@ -9,8 +9,14 @@ from __future__ import annotations
 import math
 
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 ADJUST_LR_FNS = ("original", "match_rms_adamw")
+
+
+def local_shard(t: Tensor) -> Tensor:
+    """The rows this rank holds: a DTensor's local tensor (a view: in-place updates reach it), else t."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def update_scale(adjust_lr_fn: str | None, rows: int, cols: int) -> float:
