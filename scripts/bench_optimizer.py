@@ -106,10 +106,25 @@ def _timed_steps(opt, module, mesh, steps, warmup):
     return times
 
 
-def _rank_main(rank, world, port, args, out_dir):
+def _gloo_rank(rank, world, port, fn, args, out_dir):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.save(fn(rank, world, args), Path(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def run_on_ranks(fn, world: int, args) -> list:
+    """fn(rank, world, args) on `world` gloo ranks with args.threads threads each; per-rank results."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.start_processes(_gloo_rank, args=(world, port, fn, args, out_dir), nprocs=world, start_method="spawn")
+        return [torch.load(Path(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world)]
+
+
+def _rank_main(rank, world, args):
     mesh = init_device_mesh("cpu", (world,))
     shapes = transformer_shapes(args.layers, args.dim, args.ffn, args.heads, args.kv_heads)
     results = {}
@@ -142,17 +157,11 @@ def _rank_main(rank, world, port, args, out_dir):
     module = make_module(shapes, mesh)
     opt = torch.optim.AdamW(module.parameters(), lr=1e-3)
     results["FSDP2-style AdamW (torch.optim.AdamW)"] = dict(times=_timed_steps(opt, module, mesh, args.steps, args.warmup), bytes_sent=0)
-    torch.save(results, Path(out_dir, f"rank{rank}.pt"))
-    dist.destroy_process_group()
+    return results
 
 
 def run_world(world, args):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(_rank_main, args=(world, port, args, out_dir), nprocs=world, start_method="spawn")
-        per_rank = [torch.load(Path(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world)]
+    per_rank = run_on_ranks(_rank_main, world, args)
     # The step is as slow as its slowest rank.
     merged = {}
     for label in per_rank[0]:

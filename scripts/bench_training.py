@@ -19,23 +19,21 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_optimizer import ROOT, write_section  # noqa: E402
+from bench_optimizer import ROOT, run_on_ranks, write_section  # noqa: E402
 
 from titan_muon import Muon, build_param_groups  # noqa: E402
+from titan_muon.update import local_shard  # noqa: E402
 
 FLAVORS = {
     # torchtitan's llama3 "debugmodel", with GQA.
@@ -75,15 +73,12 @@ def state_bytes(opt) -> int:
     for state in opt.state.values():
         for value in state.values():
             if isinstance(value, torch.Tensor):
-                local = value.to_local() if hasattr(value, "to_local") else value
+                local = local_shard(value)
                 total += local.numel() * local.element_size()
     return total
 
 
-def _rank_main(rank, world, port, args, out_dir):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(args.threads)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def _rank_main(rank, world, args):
     mesh = init_device_mesh("cpu", (world,))
     vocab = FLAVORS[args.flavor]["vocab_size"]
     results = {}
@@ -116,8 +111,7 @@ def _rank_main(rank, world, port, args, out_dir):
         params = sum(p.to_local().numel() for p in model.parameters())
         results[mode] = dict(timings=timings, state_bytes=state_bytes(opt), local_params=params, loss=loss.item() * args.accum)
         del model, opt
-    torch.save(results, Path(out_dir, f"rank{rank}.pt"))
-    dist.destroy_process_group()
+    return results
 
 
 def main():
@@ -135,12 +129,7 @@ def main():
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(_rank_main, args=(args.world, port, args, out_dir), nprocs=args.world, start_method="spawn")
-        per_rank = [torch.load(Path(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(args.world)]
+    per_rank = run_on_ranks(_rank_main, args.world, args)
 
     def median(mode, key, reduce=max):  # a step lasts as long as its slowest rank
         return statistics.median(reduce(r[mode]["timings"][i][key] for r in per_rank) for i in range(args.steps))
