@@ -1,87 +1,130 @@
-"""titan_muon.Muon: Muon for 2-D hidden matrices and AdamW for the rest, in one optimizer.
+"""titan_muon.Muon: Muon for hidden matrices and AdamW for the rest, in one optimizer.
 
-One step, top-down:
-  1. check gradients on every rank together (one tiny all-reduce): a missing or non-finite
-     gradient stops or skips the step on all ranks alike, before any state changes;
-  2. momentum and Nesterov on the local shards (element-wise, no communication);
-  3. per bucket: shards go to their owners (all-to-all), each owner orthogonalizes its
-     matrices once (batched by shape), the scaled updates come back (all-to-all);
-  4. weight decay and the step on the local shards; AdamW for the AdamW groups.
+One step, top-down (``step``):
+  1. agree on the gradients (one small all-reduce, one host read): a missing or non-finite
+     gradient stops or skips the step on every rank alike, before anything changes;
+  2. per bucket, a window of ``buckets_in_flight`` at a time: each rank sends its pieces of
+     the bucket's matrices — Nesterov momentum, or with momentum on the owners the raw
+     gradient — to their owners (all-to-all); each owner orthogonalizes its matrices once,
+     batched by shape, and the scaled updates come back (all-to-all);
+  3. agree that every rank got through step 2 (one tiny all-reduce, one host read); if a
+     rank failed, every rank raises the same error and nothing has changed;
+  4. commit: momentum, weight decay and the update on the local shards; AdamW groups.
 
-Parameters are plain tensors (one process, or replicated) or DTensors sharded ``Shard(0)``
-on one mesh dimension (FSDP2, or HSDP's shard dimension). The plan that decides owners and
-buckets depends only on global shapes and the world size, so a run on W ranks computes what
-the one-process run computes.
+Parameters are plain tensors (one process, or replicated) or DTensors whose placements give
+every rank one block of each matrix: FSDP2 ``Shard(0)``, HSDP, tensor parallel ``Shard(0)`` /
+``Shard(1)`` with FSDP2's strided sharding on top, MoE experts (3-D, one matrix per expert)
+sharded over experts. The plan (owners, buckets, split sizes) is a pure function of shapes
+and placements (plan.py), so a run on any layout computes what the one-process run computes.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections import defaultdict
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate
 from torch.optim import Optimizer
 from torch.optim.adamw import adamw as adamw_functional
 
-from titan_muon.overlap import BackwardOverlap
+from titan_muon.layout import RankGrid, Sharding, replicated, sharding_of
 from titan_muon.newton_schulz import NS_METHODS, coefficient_schedule, newton_schulz_flops, orthogonalize
-from titan_muon.plan import Plan, Unit, build_plan, offsets, shard_rows
-from titan_muon.state import momentum_storage
+from titan_muon.overlap import BackwardOverlap, twin_group
+from titan_muon.owner_state import blocks_to_shards, shards_to_blocks
+from titan_muon.plan import BucketSchedule, Plan, Unit, build_plan, rank_schedule
+from titan_muon.redistribute import assemble, disassemble, local_views, pack, unpack
 from titan_muon.split import RowBlocks, match_row_blocks, row_block_ranges
+from titan_muon.state import momentum_storage
+from titan_muon.timing import StepTimer
 from titan_muon.transport import Exchange, Transport
-from titan_muon.update import ADJUST_LR_FNS, apply_update, local_shard, momentum_step, update_scale
+from titan_muon.update import ADJUST_LR_FNS, local_shard, update_scale
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPE_CHOICES = (*DTYPES, "auto")
 NONFINITE_POLICIES = ("raise", "skip")
 
 
 @dataclass
-class _MuonParam:
-    """A Muon parameter and where its rows live."""
+class MuonParam:
+    """A Muon parameter and where its elements live."""
 
     param: Tensor
     name: str
     group: dict  # rebound after load_state_dict, which replaces the group dicts
     group_index: int
-    sharded: bool  # rows spread over the process group (else the whole matrix is local)
+    index: int  # position among the Muon parameters: same on every rank and after a resume
+    sharding: Sharding | None  # None: this rank holds the whole parameter
+
+    def stack(self, t: Tensor) -> Tensor:
+        """This rank's block of `t` (the parameter, its gradient or its state) as (matrices, rows, cols)."""
+        local = local_shard(t)
+        return local.unsqueeze(0) if local.ndim == 2 else local
 
 
-def _dtype(name: str, key: str) -> torch.dtype:
-    if name not in DTYPES:
-        raise ValueError(f"titan_muon.Muon: {key}={name!r} is not supported; expected one of {tuple(DTYPES)}")
+@dataclass
+class _StepFailure:
+    """The first exception raised on this rank inside the exchange phase."""
+
+    error: BaseException | None = None
+    where: str = ""
+
+    def record(self, error: BaseException, where: str) -> None:
+        if self.error is None:
+            self.error, self.where = error, where
+
+
+@dataclass
+class _StepWork:
+    """What the exchange phase leaves for the commit."""
+
+    updates: list[tuple[MuonParam, Tensor, Tensor]] = field(default_factory=list)  # (param, local view, update)
+    owner_momentum: list[tuple[int, Tensor]] = field(default_factory=list)  # (unit, new momentum) with momentum on owners
+    update_sq: list[Tensor] = field(default_factory=list)  # device scalars: sums of squared lr-scaled updates
+    update_numel: int = 0
+    ns_flops: int = 0
+
+
+def _dtype(name: str, key: str, device: torch.device) -> torch.dtype:
+    if name not in DTYPE_CHOICES:
+        raise ValueError(f"titan_muon.Muon: {key}={name!r} is not supported; expected one of {DTYPE_CHOICES}")
+    if name == "auto":  # bf16 where tensor cores make it fast, fp32 (exact) elsewhere
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
     return DTYPES[name]
 
 
 class Muon(Optimizer):
     """Muon (momentum orthogonalized by Newton–Schulz) with AdamW groups, FSDP2-native.
 
-    Param groups with ``use_muon=True`` (the default) must hold 2-D matrices; groups with
-    ``use_muon=False`` get AdamW with their own ``betas``, ``eps`` and ``weight_decay``.
-    :func:`titan_muon.build_param_groups` splits a model the usual way.
+    Param groups with ``use_muon=True`` (the default) hold 2-D matrices or 3-D stacks of
+    matrices (MoE experts, one matrix per expert); groups with ``use_muon=False`` get AdamW
+    with their own ``betas``, ``eps`` and ``weight_decay``. :func:`titan_muon.build_param_groups`
+    splits a model the usual way.
 
     Args follow ``torch.optim.Muon`` (lr, weight_decay, momentum, nesterov, ns_coefficients,
     ns_steps, adjust_lr_fn) plus:
         ns_coefficients: "keller" (default), "polar_express", or an (a, b, c) tuple.
-        ns_dtype: "fp32" (default) or "bf16": dtype of the Newton–Schulz matmuls.
-        comm_dtype: "fp32" (default) or "bf16": dtype of shards on the wire.
+        ns_dtype: "fp32", "bf16" or "auto" (default: bf16 on CUDA, fp32 elsewhere): dtype of
+            the Newton–Schulz matmuls.
+        comm_dtype: "fp32", "bf16" or "auto" (default: the NS dtype): dtype on the wire.
         adamw_betas, adamw_eps: defaults for AdamW groups ("betas", "eps" group keys).
         bucket_size_mb: size of one all-to-all bucket (fp32 MiB of whole matrices).
+        buckets_in_flight: buckets whose exchange runs ahead of the owners' Newton–Schulz; the
+            step's transient memory is about this many buckets plus the step's updates.
         nonfinite_grads: "raise" (default) raises on every rank; "skip" skips the whole step
             on every rank, state untouched, counted in ``last_step_metrics``.
         row_blocks: Muon Split. Maps FQN patterns (fnmatch) to row-block sizes: an int (one
             block per attention head) or a repeating sequence (e.g. ``(q_nope, q_rope)``).
             Each block is orthogonalized on its own and scaled by its own shape.
-        momentum_dtype: "fp32" (default), "bf16" or "fp8": how Muon momentum is stored (state.py);
-            fp8 is e4m3 with row-following power-of-two scales and stochastic rounding, about
-            1 byte per parameter, and reshards through DCP to any world size.
-        overlap: start sending each bucket to its owners during backward, as soon as FSDP2 has
-            reduce-scattered all its gradients (see overlap.py); same math, exact under
-            gradient clipping and accumulation.
+        momentum_dtype: "fp32" (default), "bf16" or "fp8": how Muon momentum is stored (state.py).
+        overlap: keep each sharded matrix's momentum on its owner and send the raw gradient
+            pieces to the owners during backward, as soon as FSDP2 has reduce-scattered them
+            (overlap.py). Same math; exact under gradient clipping and accumulation.
     """
 
     def __init__(
@@ -96,28 +139,35 @@ class Muon(Optimizer):
         *,
         ns_coefficients: str | tuple[float, float, float] = "keller",
         ns_eps: float = 1e-7,
-        ns_dtype: str = "fp32",
-        comm_dtype: str = "fp32",
+        ns_dtype: str = "auto",
+        comm_dtype: str = "auto",
         adamw_betas: tuple[float, float] = (0.9, 0.95),
         adamw_eps: float = 1e-8,
         bucket_size_mb: float = 64.0,
+        buckets_in_flight: int = 2,
         nonfinite_grads: str = "raise",
         row_blocks: Mapping[str, RowBlocks] | None = None,
         overlap: bool = False,
         momentum_dtype: str = "fp32",
     ):
-        self.ns_dtype = _dtype(ns_dtype, "ns_dtype")
-        self.comm_dtype = _dtype(comm_dtype, "comm_dtype")
+        if ns_dtype not in DTYPE_CHOICES:
+            _dtype(ns_dtype, "ns_dtype", torch.device("cpu"))
+        if comm_dtype not in DTYPE_CHOICES:
+            _dtype(comm_dtype, "comm_dtype", torch.device("cpu"))
         if nonfinite_grads not in NONFINITE_POLICIES:
             raise ValueError(f"titan_muon.Muon: nonfinite_grads={nonfinite_grads!r}; expected one of {NONFINITE_POLICIES}")
         if not bucket_size_mb > 0:
             raise ValueError(f"titan_muon.Muon: bucket_size_mb must be > 0, got {bucket_size_mb}")
+        if not (isinstance(buckets_in_flight, int) and buckets_in_flight >= 1):
+            raise ValueError(f"titan_muon.Muon: buckets_in_flight must be an integer >= 1, got {buckets_in_flight!r}")
+        self.ns_dtype_setting, self.comm_dtype_setting = ns_dtype, comm_dtype
         self.nonfinite_grads = nonfinite_grads
         self.row_blocks = dict(row_blocks or {})
         self.overlap = overlap
         self.storage = momentum_storage(momentum_dtype)
-        self._overlap: BackwardOverlap | None = None
         self.bucket_bytes = int(bucket_size_mb * 2**20)
+        self.buckets_in_flight = buckets_in_flight
+        self._overlap: BackwardOverlap | None = None
         defaults = dict(
             lr=lr,
             weight_decay=weight_decay,
@@ -134,8 +184,9 @@ class Muon(Optimizer):
         self._layout_ready = False
         super().__init__(params, defaults)
         self.skipped_steps = 0
-        self._ns_seconds, self._ns_flops = 0.0, 0
-        self.last_step_metrics: dict[str, float] = {}
+        self._owner_momentum: dict[int, dict] = {}
+        self._metrics: dict[str, float | Tensor] = {}
+        self._metrics_read: dict[str, float] | None = None
         self._build_layout()
 
     # ------------------------------------------------------------------ setup
@@ -155,69 +206,71 @@ class Muon(Optimizer):
         return f"param_groups[{group_index}].params[{index}] (shape {shape})"
 
     def _build_layout(self) -> None:
-        """Classify Muon params as sharded or local, build and cross-check the plan."""
-        self._muon_params: list[_MuonParam] = []
-        shard_mesh = None
-        group_of_shards: dist.ProcessGroup | None = None
-        group_ranks: list[int] | None = None
+        """Find where every Muon matrix lives, then build the plan and this rank's tables."""
+        device = _common_device([p for g in self.param_groups for p in g["params"]])
+        self.device = device
+        self.ns_dtype = _dtype(self.ns_dtype_setting, "ns_dtype", device)
+        self.comm_dtype = self.ns_dtype if self.comm_dtype_setting == "auto" else _dtype(self.comm_dtype_setting, "comm_dtype", device)
+
+        muon = []
         for gi, group in enumerate(self.param_groups):
             for pi, p in enumerate(group["params"]):
                 name = self._param_name(gi, pi)
-                shard_group = _shard_group(p, name)
-                if shard_group is not None:
-                    ranks = dist.get_process_group_ranks(shard_group)
-                    if group_ranks is None:
-                        group_of_shards, group_ranks = shard_group, ranks
-                        shard_mesh = p.device_mesh
-                    elif ranks != group_ranks:
+                _check_dtype(p, name)
+                if group["use_muon"]:
+                    if p.ndim not in (2, 3) or p.numel() == 0:
                         raise ValueError(
-                            f"titan_muon.Muon: parameter {name!r} is sharded over ranks {ranks} but earlier "
-                            f"parameters over {group_ranks}; one optimizer supports one sharding group"
+                            f"titan_muon.Muon: parameter {name!r} has shape {tuple(p.shape)}; Muon groups take non-empty "
+                            "2-D matrices (or 3-D stacks of matrices, e.g. MoE experts) only. Put it in a group with "
+                            "use_muon=False (titan_muon.build_param_groups does this for embeddings, the output head, "
+                            "norms and biases)."
                         )
-                if not group["use_muon"]:
-                    continue
-                if p.ndim != 2:
-                    raise ValueError(
-                        f"titan_muon.Muon: parameter {name!r} has shape {tuple(p.shape)}; Muon groups take 2-D "
-                        "matrices only. Put it in a group with use_muon=False (titan_muon.build_param_groups "
-                        "does this for embeddings, the output head, norms and biases)."
-                    )
-                self._muon_params.append(_MuonParam(p, name, group, gi, sharded=shard_group is not None))
-
-        self.transport = Transport(group_of_shards)
+                    muon.append((p, name, gi))
+        group_of_shards, grids = _exchange_group([(p, name) for p, name, _ in muon])
+        self.transport = Transport(group_of_shards, device)
         world, rank = self.transport.world_size, self.transport.rank
-        for entry in self._muon_params:
-            if entry.sharded:
-                local_rows = local_shard(entry.param).shape[0]
-                start, end = shard_rows(entry.param.shape[0], world)[rank]
-                if local_rows != end - start:
-                    raise ValueError(
-                        f"titan_muon.Muon: parameter {entry.name!r} holds {local_rows} local rows on rank {rank} "
-                        f"but an even dim-0 split of {entry.param.shape[0]} rows over {world} ranks gives "
-                        f"{end - start}; only torch.chunk-style Shard(0) (FSDP2's default) is supported"
-                    )
 
-        # Buckets follow reverse parameter order: the order in which backward finishes gradients.
-        blocks = match_row_blocks([e.name for e in self._muon_params], self.row_blocks)
+        self._muon_params: list[MuonParam] = []
+        for index, (p, name, gi) in enumerate(muon):
+            sharding = None
+            if isinstance(p, DTensor) and id(p) in grids:
+                sharding = _sharding(p, name, grids[id(p)])
+                expected = tuple(hi - lo for lo, hi in sharding.box(rank))[3 - p.ndim :]
+                if tuple(local_shard(p).shape) != expected:
+                    raise ValueError(
+                        f"titan_muon.Muon: parameter {name!r} holds a local block of shape {tuple(local_shard(p).shape)} "
+                        f"on rank {rank}, but its placements {p.placements} give {expected} (torch.chunk-style splits, "
+                        "as FSDP2 and DTensor make them, are supported)"
+                    )
+            self._muon_params.append(MuonParam(p, name, self.param_groups[gi], gi, index, sharding))
+
+        # Units in reverse parameter order: the order in which backward finishes gradients.
+        blocks = match_row_blocks([e.name for e in self._muon_params if e.param.ndim == 2], self.row_blocks)
         units: list[Unit] = []
-        self._unit_param: list[_MuonParam] = []
-        self._local_units: list[tuple[_MuonParam, int, int]] = []  # (param, row_start, row_end)
-        for index in reversed(range(len(self._muon_params))):
-            entry = self._muon_params[index]
-            rows, cols = entry.param.shape
-            for start, end in row_block_ranges(rows, blocks.get(entry.name, rows), entry.name):
-                if entry.sharded:
-                    units.append(Unit(index, start, end, cols, rows))
-                    self._unit_param.append(entry)
-                else:
-                    self._local_units.append((entry, start, end))
-        self.plan: Plan = build_plan(units, world, self.bucket_bytes)
+        self._local_units: list[Unit] = []  # matrices this rank holds whole: no traffic
+        for entry in reversed(self._muon_params):
+            matrices, rows, cols = (1, *entry.param.shape) if entry.param.ndim == 2 else tuple(entry.param.shape)
+            for m in range(matrices):
+                for start, end in row_block_ranges(rows, blocks.get(entry.name, rows), entry.name):
+                    unit = Unit(entry.index, m, start, end, cols)
+                    (units if entry.sharding is not None else self._local_units).append(unit)
+        shardings = [e.sharding or replicated(e.param.shape) for e in self._muon_params]
+        self.plan: Plan = build_plan(units, shardings, world, self.bucket_bytes)
         self.transport.check_same_everywhere(self.plan.fingerprint(), "the Muon ownership plan")
+        self.schedules: tuple[BucketSchedule, ...] = rank_schedule(self.plan, shardings, rank)
+
         if self._overlap is not None:
             self._overlap.remove()
             self._overlap = None
-        if self.overlap and units:
-            self._overlap = BackwardOverlap(self, Transport(_twin_group(shard_mesh, group_ranks)))
+        self.owner_momentum = self.overlap and bool(units)
+        if self.owner_momentum:
+            self._overlap = BackwardOverlap(
+                self._muon_params,
+                self.plan,
+                self.schedules,
+                Transport(twin_group(group_of_shards), device),
+                self.comm_dtype,
+            )
         self._layout_ready = True
 
     def _ensure_state(self) -> None:
@@ -227,12 +280,25 @@ class Muon(Optimizer):
                 state = self.state[p]
                 if state:
                     continue
-                if group["use_muon"]:
-                    state.update(self.storage.create(p))
-                else:
+                if not group["use_muon"]:
                     state["step"] = torch.tensor(0.0, dtype=torch.float32)
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        for entry in self._muon_params:
+            state = self.state[entry.param]
+            if self.owner_momentum and entry.sharding is not None:
+                # Momentum lives on the owners; state_dict() lays it out like the parameter.
+                # Only a per-parameter counter (stochastic rounding's step) stays here.
+                if "step" in self.storage.keys:
+                    state.setdefault("step", torch.zeros((), dtype=torch.int64))
+            elif not state:
+                state.update(self.storage.create(entry.param))
+        if self.owner_momentum:
+            for schedule in self.schedules:
+                for u in schedule.owned:
+                    if u not in self._owner_momentum:
+                        unit = self.plan.units[u]
+                        self._owner_momentum[u] = self.storage.create_block(unit.rows, unit.cols, self.device)
 
     # ------------------------------------------------------------------- step
 
@@ -242,69 +308,57 @@ class Muon(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        started = time.perf_counter()
+        timer = StepTimer(self.device)
+        timer.start("step")
         self.transport.bytes_sent = self.transport.bytes_received = 0
-        self._ns_seconds, self._ns_flops = 0.0, 0
         self._ensure_state()
-        verdict = self._agree_on_gradients()
+        verdict = self._agree_on_gradients()  # host read 1
         if verdict is None:  # non-finite gradients with nonfinite_grads="skip"
             self.skipped_steps += 1
-            self.last_step_metrics = {"muon/skipped_steps": float(self.skipped_steps)}
+            self._set_metrics({"muon/skipped_steps": float(self.skipped_steps)})
             return loss
-        no_grad_anywhere, arrived, grad_scale = verdict
-        update_sq_sum, update_numel = self._muon_step(no_grad_anywhere, arrived, grad_scale)
+        failure = _StepFailure()
+        work = self._exchange_and_orthogonalize(verdict, failure, timer)
+        self._agree_on_success(failure)  # host read 2
+        self._commit(verdict, work)
         self._adamw_step()
-        self.last_step_metrics = {
-            "muon/update_rms": (update_sq_sum / max(update_numel, 1)) ** 0.5,
-            "muon/step_time_ms": 1e3 * (time.perf_counter() - started),
-            "muon/bytes_sent": float(self.transport.bytes_sent),
-            "muon/bytes_received": float(self.transport.bytes_received),
-            "muon/ns_time_ms": 1e3 * self._ns_seconds,
-            "muon/ns_flops": float(self._ns_flops),
-            "muon/skipped_steps": float(self.skipped_steps),
-        }
-        if self._overlap is not None:
-            self.last_step_metrics["muon/bytes_sent_in_backward"] = float(self._overlap.transport.bytes_sent)
-            self.last_step_metrics["muon/buckets_sent_in_backward"] = float(len(arrived))
-            self._overlap.transport.bytes_sent = self._overlap.transport.bytes_received = 0
+        timer.stop("step")
+        self._finish_metrics(work, timer, verdict)
         return loss
 
-    def _agree_on_gradients(self) -> tuple[set[Tensor], dict[int, Tensor], float] | None:
-        """Decide collectively what to do about missing and non-finite gradients, and overlap.
+    def _agree_on_gradients(self) -> "_Verdict | None":
+        """Decide collectively what to do about missing and non-finite gradients (and overlap).
 
-        One all-reduce carries, per parameter, whether its gradient exists and is finite, and
-        with overlap the sends made during backward and the sums that give the clipping factor.
-        Returns (parameters with no gradient on any rank — skipped, as torch.optim does;
-        buckets whose rows arrived during backward; their gradient scale), or None to skip the
-        step. Raises the same error on every rank, before anything changes.
+        One all-reduce carries, per parameter, whether its gradient is missing and whether it
+        is non-finite on this rank, and with overlap what the gradients sent during backward
+        were (overlap.py); the host reads the result once. Every entry is 0 when all is well.
+        Raises the same error on every rank, before anything changes.
         """
         params = [(gi, pi, p) for gi, g in enumerate(self.param_groups) for pi, p in enumerate(g["params"])]
         grads = [None if p.grad is None else local_shard(p.grad) for _, _, p in params]
-        present = [g is not None and g.numel() > 0 for g in grads]
-        norms = torch._foreach_norm([g for g, ok in zip(grads, present) if ok], float("inf")) if any(present) else []
-        finite = iter(torch.isfinite(torch.stack(norms)).tolist() if norms else [])
-        flags = [float(g is not None) for g in grads] + [0.0 if not ok else float(not next(finite)) for ok in present]
-        launches = self._overlap.launch_counts() if self._overlap else []
-        sums = list(self._overlap.scale_sums()) if self._overlap else []
-        status = torch.tensor(flags + launches + [c * c for c in launches] + sums, dtype=torch.float64)
-        self.transport.all_reduce(status)
-        n, world = len(params), self.transport.world_size
-        has_grad, nonfinite = status[:n].tolist(), status[n : 2 * n].tolist()
+        zero = torch.zeros((), dtype=torch.float64, device=self.device)
+        one = torch.ones((), dtype=torch.float64, device=self.device)
+        checked = [g for g in grads if g is not None and g.numel() > 0]
+        norms = iter(torch._foreach_norm(checked, float("inf")) if checked else [])
+        parts = [
+            torch.stack([zero if g is not None else one for g in grads]),
+            (~torch.isfinite(torch.stack([next(norms).double() if g is not None and g.numel() > 0 else zero for g in grads]))).double(),
+        ]
+        if self._overlap is not None:
+            parts.append(self._overlap.gradient_sums())
+        status = self.transport.all_reduce(torch.cat(parts))
+        if self._overlap is not None:  # derived on the device, so the host still reads once
+            status = torch.cat([status[: 2 * len(params)], self._overlap.compare(status[2 * len(params) :])])
+        host = status.tolist()
 
-        if launches:
-            counts, squares = status[2 * n : 2 * n + len(launches)], status[2 * n + len(launches) : 2 * n + 2 * len(launches)]
-            if not torch.equal(counts * counts, world * squares):
-                self._overlap.remove()
-                self._overlap, self.overlap = None, False
-                raise RuntimeError(
-                    "titan_muon.Muon: gradient hooks fired differently on different ranks during backward (this rank "
-                    f"sent buckets {launches} times), so overlapped transfers cannot be matched. Overlap is now off; "
-                    "this happens when ranks leave different parameters unused. Construct with overlap=False."
-                )
-        partial = [i for i, c in enumerate(has_grad) if 0 < c < world]
+        n, world = len(params), self.transport.world_size
+        missing, nonfinite = host[:n], host[n : 2 * n]
+        partial = [i for i, c in enumerate(missing) if 0 < c < world]
         bad = [self._param_name(gi, pi) for (gi, pi, _), c in zip(params, nonfinite) if c > 0]
-        if self._overlap and (partial or bad):
-            self._overlap.take()  # every rank sent the same buckets: drain them before leaving
+        early = self._overlap.decide(host[2 * n :], world) if self._overlap is not None else None
+        if partial or bad:
+            if self._overlap is not None:
+                self._overlap.drain()
         if partial:
             names = [self._param_name(*params[i][:2]) for i in partial]
             here = "present" if grads[partial[0]] is not None else "missing"
@@ -319,166 +373,220 @@ class Muon(Optimizer):
                 f"titan_muon.Muon: non-finite (NaN/Inf) gradients in {bad}; no parameter or state was changed. "
                 'Pass nonfinite_grads="skip" to skip such steps instead.'
             )
-        no_grad_anywhere = {p for (_, _, p), c in zip(params, has_grad) if c == 0}
+        skipped = {id(p) for (_, _, p), c in zip(params, missing) if c == world}
+        return _Verdict(skipped, early)
 
-        arrived, scale = {}, 1.0
-        if self._overlap and any(launches):
-            dot, norm = status[-2].item(), status[-1].item()
-            scale = dot / norm if norm > 0 else 1.0
-            agreed = torch.tensor([float(self._overlap.matches(scale))])
-            self.transport.all_reduce(agreed, dist.ReduceOp.MIN)
-            arrived = self._overlap.take()
-            if not agreed.item():
-                arrived = {}
-        return no_grad_anywhere, arrived, scale
+    def _exchange_and_orthogonalize(self, verdict: "_Verdict", failure: _StepFailure, timer: StepTimer) -> _StepWork:
+        """Step 2: every bucket's round trip, a window at a time, and the whole local matrices.
 
-    def _muon_step(self, no_grad_anywhere: set[Tensor], arrived: dict[int, Tensor], grad_scale: float) -> tuple[float, int]:
-        # Momentum on local shards; the matrices to orthogonalize, in local (row-shard) shape.
-        to_orthogonalize: dict[int, Tensor] = {}
-        for index, entry in enumerate(self._muon_params):
-            group, p = entry.group, entry.param
-            if p in no_grad_anywhere:
-                to_orthogonalize[id(entry)] = torch.zeros(local_shard(p).shape, device=p.device)
+        Every rank takes part in every collective even after a local error (sending zeros),
+        so nobody waits forever; the error is settled collectively afterwards.
+        """
+        work = _StepWork()
+        early = verdict.early.arrived if verdict.early is not None else {}
+        scales = verdict.early.scales if verdict.early is not None else {}  # per bucket: {param: c}
+        outbound: dict[int, Exchange] = {}
+        returning: list[tuple[int, Exchange]] = []
+        order = list(range(len(self.schedules)))
+        launched = 0
+
+        def launch_until(limit: int) -> None:
+            nonlocal launched
+            while launched < min(limit, len(order)):
+                b = order[launched]
+                if b not in early:
+                    outbound[b] = self._send(b, verdict, failure)
+                launched += 1
+
+        launch_until(self.buckets_in_flight)
+        self._orthogonalize_local(verdict, failure, timer, work)
+        for position, b in enumerate(order):
+            launch_until(position + self.buckets_in_flight)
+            schedule = self.schedules[b]
+            received = (early[b] if b in early else outbound.pop(b)).wait()
+            back = None
+            if failure.error is None:
+                try:
+                    back = self._orthogonalize_owned(b, received, scales.get(b, {}), timer, work)
+                except Exception as error:  # noqa: BLE001 - settled on every rank in _agree_on_success
+                    failure.record(error, f"Newton-Schulz of bucket {b}")
+            if back is None:
+                back = torch.zeros(schedule.recv_numel, dtype=self.comm_dtype, device=self.device)
+            returning.append((b, self.transport.all_to_all(back, schedule.recv_counts, schedule.send_counts)))
+            if len(returning) > self.buckets_in_flight:
+                self._receive_updates(*returning[-self.buckets_in_flight - 1], verdict, failure, work)
+        for b, exchange in returning[max(0, len(returning) - self.buckets_in_flight) :]:
+            self._receive_updates(b, exchange, verdict, failure, work)
+        return work
+
+    def _send(self, bucket: int, verdict: "_Verdict", failure: _StepFailure) -> Exchange:
+        """Pack this rank's pieces of a bucket (Nesterov momentum, or the raw gradient with
+        momentum on the owners) and start the outbound all-to-all."""
+        schedule = self.schedules[bucket]
+        send = None
+        if failure.error is None:
+            try:
+                momenta: dict[int, Tensor] = {}  # decoded once per parameter and bucket
+                pieces = []
+                for piece in schedule.outbound:
+                    entry = self._muon_params[self.plan.units[piece.unit].param]
+                    pieces.append(self._outbound_source(entry, piece.local, verdict, momenta))
+                send = pack(pieces, self.comm_dtype, self.device)
+            except Exception as error:  # noqa: BLE001 - settled on every rank in _agree_on_success
+                failure.record(error, f"packing bucket {bucket}")
+        if send is None:
+            send = torch.zeros(schedule.send_numel, dtype=self.comm_dtype, device=self.device)
+        return self.transport.all_to_all(send, schedule.send_counts, schedule.recv_counts)
+
+    def _outbound_source(
+        self, entry: MuonParam, local: tuple[int, int, int], verdict: "_Verdict", momenta: dict[int, Tensor]
+    ) -> Tensor:
+        """Rows [r0, r1) of local matrix m as they travel: the matrix to orthogonalize, or the
+        raw gradient when momentum lives on the owners."""
+        m, r0, r1 = local
+        p = entry.param
+        if id(p) in verdict.skipped:
+            return torch.zeros_like(entry.stack(p)[m, r0:r1])
+        grad = entry.stack(p.grad)[m, r0:r1]
+        if self.owner_momentum and entry.sharding is not None:
+            return grad
+        if entry.index not in momenta:
+            momenta[entry.index] = entry.stack(self.storage.load(self.state[p]))
+        return _nesterov(grad.float(), momenta[entry.index][m, r0:r1], entry.group)
+
+    def _orthogonalize_local(self, verdict: "_Verdict", failure: _StepFailure, timer: StepTimer, work: _StepWork) -> None:
+        """Matrices this rank holds whole: orthogonalize them while the buckets travel."""
+        if not self._local_units or failure.error is not None:
+            return
+        try:
+            by_key: dict[tuple, list[tuple[Unit, Tensor]]] = defaultdict(list)
+            momenta: dict[int, Tensor] = {}
+            for unit in self._local_units:
+                entry = self._muon_params[unit.param]
+                if id(entry.param) in verdict.skipped:
+                    continue
+                local = (unit.matrix, unit.row_start, unit.row_end)
+                by_key[self._ns_key(unit)].append((unit, self._outbound_source(entry, local, verdict, momenta)))
+            for key, members in by_key.items():
+                result = self._newton_schulz(key, torch.stack([m for _, m in members]), timer, work)
+                for (unit, _), out in zip(members, result):
+                    entry = self._muon_params[unit.param]
+                    target = entry.stack(entry.param)[unit.matrix, unit.row_start : unit.row_end]
+                    work.updates.append((entry, target, out))
+        except Exception as error:  # noqa: BLE001 - settled on every rank in _agree_on_success
+            failure.record(error, "Newton-Schulz of whole local matrices")
+
+    def _orthogonalize_owned(
+        self, bucket: int, received: Tensor, scales: dict[int, float], timer: StepTimer, work: _StepWork
+    ) -> Tensor:
+        """Assemble the matrices this rank owns in a bucket, orthogonalize them, pack the return trip."""
+        schedule = self.schedules[bucket]
+        results: dict[int, Tensor] = {}
+        for batch in assemble(schedule, received, self.plan.units, self._ns_key_of_unit):
+            matrices = batch.matrices
+            if self.owner_momentum:
+                matrices = self._owner_nesterov(batch.units, matrices, scales, work)
+            out = self._newton_schulz(batch.key, matrices, timer, work)
+            results.update(zip(batch.units, out.unbind(0)))
+        return disassemble(schedule, results, self.comm_dtype, self.device)
+
+    def _owner_nesterov(self, units: list[int], gradients: Tensor, scales: dict[int, float], work: _StepWork) -> Tensor:
+        """With momentum on the owners: M ← μM + (1−μ)·c·g on whole matrices (kept for the
+        commit), and the Nesterov matrix to orthogonalize. c undoes what happened to the
+        gradient after it was sent during backward (gradient clipping), 1 if sent in step()."""
+        out = []
+        for u, grad in zip(units, gradients.unbind(0)):
+            unit = self.plan.units[u]
+            entry = self._muon_params[unit.param]
+            c = scales.get(unit.param, 1.0)
+            grad = grad * c if c != 1.0 else grad
+            momentum = self.storage.load(self._owner_momentum[u])
+            new = momentum.lerp(grad, 1 - entry.group["momentum"])
+            work.owner_momentum.append((u, new))
+            out.append(grad.lerp(new, entry.group["momentum"]) if entry.group["nesterov"] else new)
+        return torch.stack(out)
+
+    def _receive_updates(self, bucket: int, exchange: Exchange, verdict: "_Verdict", failure: _StepFailure, work: _StepWork) -> None:
+        received = exchange.wait()
+        if failure.error is not None:
+            return
+        try:
+            schedule = self.schedules[bucket]
+            for piece, update in zip(schedule.outbound, unpack(schedule, received)):
+                entry = self._muon_params[self.plan.units[piece.unit].param]
+                if id(entry.param) in verdict.skipped:
+                    continue
+                m, r0, r1 = piece.local
+                work.updates.append((entry, entry.stack(entry.param)[m, r0:r1], update))
+        except Exception as error:  # noqa: BLE001 - settled on every rank in _agree_on_success
+            failure.record(error, f"receiving bucket {bucket}")
+
+    def _ns_key(self, unit: Unit) -> tuple[tuple[int, int], int]:
+        """Matrices batch together when they have one shape and one param group's settings."""
+        return (unit.shape, self._muon_params[unit.param].group_index)
+
+    def _ns_key_of_unit(self, u: int) -> tuple:
+        return self._ns_key(self.plan.units[u])
+
+    def _newton_schulz(self, key: tuple, matrices: Tensor, timer: StepTimer, work: _StepWork) -> Tensor:
+        """Orthogonalize a batch of equal-shape matrices and scale them by their shape's factor."""
+        shape, group_index = key
+        group = self.param_groups[group_index]
+        steps = group["ns_steps"]
+        timer.start("ns")
+        ortho = orthogonalize(matrices, steps, group["ns_coefficients"], self.ns_dtype, group["ns_eps"])
+        timer.stop("ns")
+        work.ns_flops += matrices.shape[0] * newton_schulz_flops(*shape, steps)
+        scaled = ortho.float().mul_(update_scale(group["adjust_lr_fn"], *shape))
+        work.update_sq.append(scaled.square().sum() * group["lr"] ** 2)
+        work.update_numel += scaled.numel()
+        return scaled
+
+    def _agree_on_success(self, failure: _StepFailure) -> None:
+        """Step 3: raise the same error on every rank if any rank failed in step 2."""
+        mine = float(self.transport.rank + 1) if failure.error is not None else 0.0
+        flag = self.transport.all_reduce(torch.full((1,), mine, device=self.device), dist.ReduceOp.MAX)
+        failed_rank = int(flag.tolist()[0]) - 1
+        if failed_rank < 0:
+            return
+        if failure.error is not None:
+            raise RuntimeError(
+                f"titan_muon.Muon: the optimizer step failed on rank {self.transport.rank} while {failure.where} "
+                f"({type(failure.error).__name__}: {failure.error}); every rank stopped and no parameter or optimizer "
+                "state was changed."
+            ) from failure.error
+        raise RuntimeError(
+            f"titan_muon.Muon: the optimizer step failed on rank {failed_rank} of the Muon process group (its log "
+            "has the cause); every rank stopped and no parameter or optimizer state was changed."
+        )
+
+    def _commit(self, verdict: "_Verdict", work: _StepWork) -> None:
+        """Step 4: momentum (written first, from the same inputs as the step used), then parameters."""
+        for entry in self._muon_params:
+            p = entry.param
+            if id(p) in verdict.skipped:
+                continue
+            if self.owner_momentum and entry.sharding is not None:
+                if "step" in self.state[p]:
+                    self.state[p]["step"] += 1  # its blocks count their stores the same way
                 continue
             momentum = self.storage.load(self.state[p])
-            to_orthogonalize[id(entry)] = momentum_step(local_shard(p.grad), momentum, group["momentum"], group["nesterov"])
-            self.storage.store(self.state[p], momentum, stream=index)
-
-        updates = self._orthogonalize_all(to_orthogonalize, arrived, grad_scale)
-
-        sq_sum, numel = 0.0, 0
-        for entry in self._muon_params:
-            if entry.param in no_grad_anywhere:
-                continue
-            group, update = entry.group, updates[id(entry)]
-            apply_update(local_shard(entry.param), update, group["lr"], group["weight_decay"])
-            sq_sum += float(update.square().sum()) * group["lr"] ** 2
-            numel += update.numel()
-        return sq_sum, numel
-
-    def _orthogonalize_all(
-        self, local_matrices: dict[int, Tensor], arrived: dict[int, Tensor] | None = None, grad_scale: float = 1.0
-    ) -> dict[int, Tensor]:
-        """Scaled, orthogonalized updates in each parameter's local shape.
-
-        `arrived` holds buckets whose raw gradient and previous momentum rows already reached
-        their owners during backward (see overlap.py); their owners form the momentum update
-        themselves, with the clipping factor `grad_scale` known only now.
-        """
-        rank = self.transport.rank
-        arrived = arrived or {}
-        results = {key: torch.empty_like(m) for key, m in local_matrices.items()}
-
-        # Outbound: every remaining bucket leaves at once; owners work through them in order.
-        in_flight: dict[int, Exchange] = {}
-        for b in range(len(self.plan.buckets)):
-            if b not in arrived:
-                send = self._pack(b, [local_matrices])
-                in_flight[b] = self.transport.all_to_all(send, self.plan.send_counts(b, rank), self.plan.recv_counts(b, rank))
-
-        # Whole matrices that already sit on this rank: orthogonalize while shards travel.
-        local_jobs = [(entry, local_matrices[id(entry)][r0:r1], r0, r1) for entry, r0, r1 in self._local_units]
-        for (entry, _, r0, r1), out in zip(local_jobs, self._newton_schulz([(e, m) for e, m, *_ in local_jobs])):
-            results[id(entry)][r0:r1] = out
-
-        returning: list[tuple[int, Exchange]] = []
-        for b in range(len(self.plan.buckets)):
-            if b in arrived:
-                owned = self._assemble(b, arrived[b], parts=2)
-                matrices = []
-                for u, (grad, momentum), slots in owned:
-                    group = self._unit_param[u].group
-                    update = momentum_step(grad.float().mul_(grad_scale), momentum.float(), group["momentum"], group["nesterov"])
-                    matrices.append((u, update, slots))
-            else:
-                matrices = [(u, full.float(), slots) for u, (full,), slots in self._assemble(b, in_flight[b].wait(), parts=1)]
-            outs = self._newton_schulz([(self._unit_param[u], m) for u, m, _ in matrices])
-            back = torch.empty(sum(self.plan.recv_counts(b, rank)), dtype=self.comm_dtype)
-            for (_, _, slots), out in zip(matrices, outs):
-                row = 0
-                for offset, n, rows in slots:
-                    back[offset : offset + n].copy_(out[row : row + rows].reshape(-1))
-                    row += rows
-            returning.append((b, self.transport.all_to_all(back, self.plan.recv_counts(b, rank), self.plan.send_counts(b, rank))))
-
-        for b, exchange in returning:
-            received = exchange.wait()
-            offset = 0
-            for _, entry, lo, hi, n in self._outbound_pieces(b):
-                rows = results[id(entry)][lo:hi]
-                rows.copy_(received[offset : offset + n].view(rows.shape))
-                offset += n
-        return results
-
-    def _outbound_pieces(self, bucket: int) -> list[tuple[int, _MuonParam, int, int, int]]:
-        """(unit, param, local row start, local row end, numel) per unit of the bucket, ordered by owner."""
-        rank, world = self.transport.rank, self.transport.world_size
-        pieces = []
-        for u in sorted(self.plan.buckets[bucket], key=lambda u: self.plan.owners[u]):
+            momentum.lerp_(local_shard(p.grad).float(), 1 - entry.group["momentum"])
+            self.storage.store(self.state[p], momentum, stream=entry.index)
+        for u, new in work.owner_momentum:
             unit = self.plan.units[u]
-            lo, hi = unit.rows_in_shard(rank, world)
-            pieces.append((u, self._unit_param[u], lo, hi, (hi - lo) * unit.cols))
-        return pieces
-
-    def _pack(self, bucket: int, sources: list[dict[int, Tensor]]) -> Tensor:
-        """One send buffer: for each owner, this rank's rows of every source (e.g. gradient, then momentum)."""
-        pieces = self._outbound_pieces(bucket)
-        send = torch.empty(len(sources) * sum(p[-1] for p in pieces), dtype=self.comm_dtype)
-        offset = 0
-        for owner in range(self.transport.world_size):
-            mine = [p for p in pieces if self.plan.owners[p[0]] == owner]
-            for source in sources:
-                for _, entry, lo, hi, n in mine:
-                    send[offset : offset + n].copy_(source[id(entry)][lo:hi].reshape(-1))
-                    offset += n
-        return send
-
-    def _assemble(self, bucket: int, received: Tensor, parts: int) -> list[tuple[int, list[Tensor], list]]:
-        """Whole matrices of the units this rank owns, from a received outbound buffer.
-
-        Per source rank the buffer holds `parts` consecutive blocks (see _pack), each with the
-        owned units' rows in bucket order. Also returns, per unit, where each source's rows go in
-        the (single-part) return buffer: (offset, numel, rows).
-        """
-        rank, world = self.transport.rank, self.transport.world_size
-        counts = self.plan.recv_counts(bucket, rank)
-        source_base = offsets([parts * c for c in counts])
-        return_base = offsets(counts)
-        filled = [0] * world
-        owned = []
-        for u in self.plan.owned_units(bucket, rank):
-            unit = self.plan.units[u]
-            blocks: list[list[Tensor]] = [[] for _ in range(parts)]
-            slots = []
-            for src in range(world):
-                lo, hi = unit.rows_on(src, world)
-                n = (hi - lo) * unit.cols
-                for k in range(parts):
-                    start = source_base[src] + k * counts[src] + filled[src]
-                    blocks[k].append(received[start : start + n].view(hi - lo, unit.cols))
-                slots.append((return_base[src] + filled[src], n, hi - lo))
-                filled[src] += n
-            owned.append((u, [torch.cat(b) for b in blocks], slots))
-        return owned
-
-    def _newton_schulz(self, jobs: list[tuple[_MuonParam, Tensor]]) -> list[Tensor]:
-        """Orthogonalize and scale each matrix; equal shapes and settings run as one batch."""
-        batches: dict[tuple, list[int]] = defaultdict(list)
-        for i, (entry, m) in enumerate(jobs):
-            g = entry.group
-            batches[(tuple(m.shape), g["ns_steps"], str(g["ns_coefficients"]), g["ns_eps"], g["adjust_lr_fn"])].append(i)
-        outs: list[Tensor | None] = [None] * len(jobs)
-        for (shape, steps, _, eps, adjust_lr_fn), members in batches.items():
-            method = jobs[members[0]][0].group["ns_coefficients"]
-            stacked = torch.stack([jobs[i][1] for i in members])
-            started = time.perf_counter()
-            ortho = orthogonalize(stacked, steps, method, self.ns_dtype, eps)
-            self._ns_seconds += time.perf_counter() - started
-            self._ns_flops += len(members) * newton_schulz_flops(*shape, steps)
-            ortho = ortho.float().mul_(update_scale(adjust_lr_fn, *shape))
-            for k, i in enumerate(members):
-                outs[i] = ortho[k]
-        return outs
+            self.storage.store(self._owner_momentum[u], new, stream=unit.param, first_row=unit.row_start)
+        by_group: dict[tuple, tuple[list[Tensor], list[Tensor]]] = defaultdict(lambda: ([], []))
+        for entry, target, update in work.updates:
+            targets, updates = by_group[(entry.group_index, target.dtype)]
+            targets.append(target)
+            updates.append(update if update.dtype == target.dtype else update.to(target.dtype))
+        for (group_index, _), (targets, updates) in by_group.items():
+            group = self.param_groups[group_index]
+            lr, wd = group["lr"], group["weight_decay"]
+            if lr * wd != 0:
+                torch._foreach_mul_(targets, 1 - lr * wd)
+            torch._foreach_add_(targets, updates, alpha=-lr)
 
     def _adamw_step(self) -> None:
         for group in self.param_groups:
@@ -503,7 +611,53 @@ class Muon(Optimizer):
                 weight_decay=group["weight_decay"], eps=group["eps"], maximize=False,
             )  # fmt: skip
 
+    # ---------------------------------------------------------------- metrics
+
+    def _finish_metrics(self, work: _StepWork, timer: StepTimer, verdict: "_Verdict") -> None:
+        metrics: dict[str, float | Tensor] = {
+            "muon/step_time_ms": timer.elapsed_ms("step"),
+            "muon/ns_time_ms": timer.elapsed_ms("ns"),
+            "muon/ns_flops": float(work.ns_flops),
+            "muon/bytes_sent": float(self.transport.bytes_sent),
+            "muon/bytes_received": float(self.transport.bytes_received),
+            "muon/skipped_steps": float(self.skipped_steps),
+        }
+        if work.update_sq:
+            metrics["muon/update_rms"] = (torch.stack(work.update_sq).sum() / work.update_numel).sqrt()
+        if self._overlap is not None:
+            metrics.update(self._overlap.metrics(verdict.early))
+        self._set_metrics(metrics)
+
+    def _set_metrics(self, metrics: dict[str, float | Tensor]) -> None:
+        self._metrics, self._metrics_read = metrics, None
+
+    @property
+    def last_step_metrics(self) -> dict[str, float]:
+        """This rank's figures for the last step. Reading them is the only host sync they cost
+        (device timings and sums stay on the device until then)."""
+        if self._metrics_read is None:
+            self._metrics_read = {k: float(v) if not callable(v) else float(v()) for k, v in self._metrics.items()}
+        return self._metrics_read
+
     # ------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict:
+        """With momentum on the owners, their blocks travel back into state tensors laid out
+        like the parameters first (a collective: call it on every rank, as DCP does)."""
+        state_dict = super().state_dict()
+        sharded = [e for e in self._muon_params if e.sharding is not None]
+        if not self.owner_momentum or not all(e.param in self.state for e in sharded):
+            return state_dict
+        states = {e.param: self.storage.create(e.param) for e in sharded}
+        for e in sharded:
+            for key, value in self.state[e.param].items():  # per-parameter counters
+                states[e.param][key] = value.clone()
+        blocks_to_shards(self.storage, self._muon_params, self.plan, self.schedules, self.transport, self._owner_momentum, states)
+        index_of = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
+        for e in sharded:
+            state_dict["state"][index_of[id(e.param)]] = states[e.param]
+        return state_dict
+
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Refuse state saved under another Muon/AdamW assignment, before changing anything."""
@@ -531,40 +685,116 @@ class Muon(Optimizer):
         super().load_state_dict(state_dict)
         for entry in self._muon_params:
             entry.group = self.param_groups[entry.group_index]
+        if self.owner_momentum:
+            self._move_loaded_momentum_to_owners()
 
-
-def _twin_group(mesh, ranks: list[int]) -> dist.ProcessGroup:
-    """A second process group over `ranks`, so overlapped sends never queue behind FSDP's collectives.
-
-    ``new_group`` must be called by every process for every group, in the same order, so all
-    groups along the sharded mesh dimension are created and this rank keeps its own.
-    """
-    if mesh.size() != dist.get_world_size():
-        raise ValueError("titan_muon.Muon: overlap=True needs the FSDP mesh to span all processes")
-    shard_dim = next(d for d in range(mesh.ndim) if dist.get_process_group_ranks(mesh.get_group(d)) == ranks)
-    layout = mesh.mesh.movedim(shard_dim, -1).reshape(-1, mesh.size(shard_dim)).tolist()
-    mine = None
-    for group_ranks in layout:
-        group = dist.new_group(group_ranks)
-        if dist.get_rank() in group_ranks:
-            mine = group
-    return mine
-
-
-def _shard_group(p: Tensor, name: str) -> dist.ProcessGroup | None:
-    """The process group over which `p`'s rows are split, or None if this rank holds all of p."""
-    if not isinstance(p, DTensor):
-        return None
-    placements = p.placements
-    sharded = [d for d, pl in enumerate(placements) if not isinstance(pl, Replicate)]
-    if not sharded:
-        return None
-    if len(sharded) > 1 or type(placements[sharded[0]]) is not Shard or placements[sharded[0]].dim != 0:
-        raise ValueError(
-            f"titan_muon.Muon: parameter {name!r} has DTensor placements {placements}; supported are "
-            "Shard(0) on one mesh dimension (FSDP2) with Replicate on the others (HSDP)"
+    def _move_loaded_momentum_to_owners(self) -> None:
+        sharded = [e for e in self._muon_params if e.sharding is not None]
+        loaded = [set(self.state[e.param]) >= set(self.storage.keys) for e in sharded]
+        if not any(loaded):
+            return
+        if not all(loaded):
+            missing = [e.name for e, ok in zip(sharded, loaded) if not ok]
+            raise ValueError(f"titan_muon.Muon: the checkpoint has Muon state for some parameters but not for {missing}")
+        states = {e.param: self.state[e.param] for e in sharded}
+        self._owner_momentum = shards_to_blocks(
+            self.storage, self._muon_params, self.plan, self.schedules, self.transport, states, self.device
         )
-    return p.device_mesh.get_group(sharded[0])
+        for e in sharded:
+            self.state[e.param] = {k: v for k, v in self.state[e.param].items() if v.ndim == 0}
+
+    @staticmethod
+    def _process_value_according_to_param_policy(param, value, param_id, param_groups, key=None):
+        # torch casts floating-point state to the parameter's dtype on load; Muon's momentum is
+        # fp32 (or encoded) whatever the parameter's dtype, so only move it to the device.
+        if key == "step" or not isinstance(value, Tensor):
+            return Optimizer._process_value_according_to_param_policy(param, value, param_id, param_groups, key)
+        return value.to(device=param.device)
+
+
+@dataclass
+class _Verdict:
+    skipped: set[int]  # ids of parameters with no gradient on any rank (skipped, as torch.optim does)
+    early: object | None  # overlap.EarlySends: buckets whose gradients reached their owners during backward
+
+
+def _nesterov(grad: Tensor, momentum: Tensor, group: dict) -> Tensor:
+    """The matrix Muon orthogonalizes, from the gradient and the momentum *before* this step's
+    update (which the commit writes later, with the same operation)."""
+    new = momentum.lerp(grad, 1 - group["momentum"])
+    return grad.lerp(new, group["momentum"]) if group["nesterov"] else new
+
+
+def _common_device(params: list[Tensor]) -> torch.device:
+    devices = {p.device for p in params}
+    if len(devices) > 1:
+        raise ValueError(f"titan_muon.Muon: parameters live on several devices {sorted(map(str, devices))}; use one")
+    return devices.pop() if devices else torch.device("cpu")
+
+
+def _check_dtype(p: Tensor, name: str) -> None:
+    if not p.dtype.is_floating_point:
+        raise ValueError(f"titan_muon.Muon: parameter {name!r} has dtype {p.dtype}; floating-point parameters only")
+
+
+def _sharded_mesh_dims(p: DTensor) -> list[int]:
+    return [d for d, placement in enumerate(p.placements) if not isinstance(placement, Replicate)]
+
+
+def _exchange_group(muon: list[tuple[Tensor, str]]) -> tuple[dist.ProcessGroup | None, dict[int, RankGrid]]:
+    """The process group Muon exchanges over, and each sharded parameter's rank grid on it.
+
+    It spans the mesh dimensions that shard the Muon parameters (FSDP; with TP or EP also
+    those): every sharded Muon parameter must be spread over the same set of ranks.
+    """
+    group, group_ranks, first = None, None, None
+    grids: dict[int, RankGrid] = {}
+    for p, name in muon:
+        if not isinstance(p, DTensor) or not _sharded_mesh_dims(p):
+            continue
+        mesh = p.device_mesh
+        dims = _sharded_mesh_dims(p)
+        coordinate = mesh.get_coordinate()
+        ranks = _ranks_along(mesh, dims, coordinate)
+        if group is None:
+            group, group_ranks, first = _group_over(mesh, dims, ranks), sorted(ranks), name
+        elif sorted(ranks) != group_ranks:
+            raise ValueError(
+                f"titan_muon.Muon: parameter {name!r} is sharded over ranks {sorted(ranks)} but {first!r} over "
+                f"{group_ranks}; one optimizer exchanges over one set of ranks"
+            )
+        order = dist.get_process_group_ranks(group)
+        position = {int(r): _coordinate_of(mesh, int(r)) for r in ranks}
+        grids[id(p)] = RankGrid([position[r] for r in order])
+    return group, grids
+
+
+def _ranks_along(mesh, dims: list[int], coordinate: list[int]) -> list[int]:
+    index = tuple(slice(None) if d in dims else coordinate[d] for d in range(mesh.ndim))
+    return [int(r) for r in mesh.mesh[index].reshape(-1).tolist()]
+
+
+def _coordinate_of(mesh, rank: int) -> tuple[int, ...]:
+    return tuple(int(c) for c in (mesh.mesh == rank).nonzero()[0].tolist())
+
+
+_FLATTENED_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
+
+
+def _group_over(mesh, dims: list[int], ranks: list[int]) -> dist.ProcessGroup:
+    if len(dims) == 1:
+        return mesh.get_group(dims[0])
+    key = tuple(sorted(ranks))
+    if key not in _FLATTENED_GROUPS:  # created once per process, whatever re-plans later
+        _FLATTENED_GROUPS[key] = dist.new_group(list(key), use_local_synchronization=True)
+    return _FLATTENED_GROUPS[key]
+
+
+def _sharding(p: DTensor, name: str, grid: RankGrid) -> Sharding:
+    try:
+        return sharding_of(tuple(p.shape), p.placements, tuple(p.device_mesh.mesh.shape), grid)
+    except NotImplementedError as error:
+        raise ValueError(f"titan_muon.Muon: parameter {name!r}: {error}") from error
 
 
 def _validate_group(group: dict, index: int) -> None:

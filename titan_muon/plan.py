@@ -1,64 +1,61 @@
-"""Who orthogonalizes what: a pure function of global shapes and the world size.
+"""Who orthogonalizes what, and what each rank sends where: pure functions of shapes and placements.
 
-FSDP2 shards each parameter along dim 0 like ``torch.chunk``: rank r holds a contiguous row
-range, trailing ranks may hold nothing. Newton–Schulz needs whole matrices, so every matrix
-("unit": a whole parameter, or a row block of one when attention heads are split) gets one
-owner rank. Units are packed into buckets; for each bucket every rank sends the rows it holds
-to the owners with one ``all_to_all_single``, owners orthogonalize, and a second
-``all_to_all_single`` with the mirrored split sizes brings each rank its rows back.
+Newton–Schulz needs whole matrices, but under FSDP2 (and TP, EP) every rank holds only a
+block of each. Every matrix ("unit": a parameter, one expert of a grouped MoE weight, or a
+row block of one when attention heads are split) gets one owner rank. Units are packed into
+buckets in the order backward produces their gradients; per bucket every rank sends the
+pieces it holds to the owners with one ``all_to_all_single``, owners orthogonalize, and a
+second ``all_to_all_single`` with the mirrored split sizes brings each rank its pieces back.
 
-Nothing here touches torch.distributed: every rank computes the same plan from the same
-inputs, and the optimizer checks that once with a fingerprint.
+:func:`build_plan` decides owners and buckets (the same on every rank: the optimizer checks
+a fingerprint once); :func:`rank_schedule` turns the plan into the tables one rank needs per
+step — split sizes and buffer offsets — computed once, so a step only reads them. Nothing
+here touches torch.distributed.
 """
 
 from __future__ import annotations
 
 import hashlib
+import heapq
+import itertools
+from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from titan_muon.layout import Box, Sharding, box_numel, chunk_range
 from titan_muon.newton_schulz import newton_schulz_flops
 
 
 def shard_rows(num_rows: int, world_size: int) -> list[tuple[int, int]]:
     """Row range [start, end) each rank holds under FSDP2 / DTensor ``Shard(0)`` (torch.chunk split)."""
-    chunk = -(-num_rows // world_size)  # ceil division
-    return [(min(r * chunk, num_rows), min((r + 1) * chunk, num_rows)) for r in range(world_size)]
+    return [chunk_range(num_rows, world_size, r) for r in range(world_size)]
 
 
 @dataclass(frozen=True)
 class Unit:
-    """One matrix for Newton–Schulz: rows [row_start, row_end) of sharded parameter `param`."""
+    """One matrix for Newton–Schulz: rows [row_start, row_end) of matrix `matrix` of parameter `param`."""
 
     param: int
+    matrix: int
     row_start: int
     row_end: int
     cols: int
-    param_rows: int
 
     @property
     def rows(self) -> int:
         return self.row_end - self.row_start
 
     @property
+    def shape(self) -> tuple[int, int]:
+        return (self.rows, self.cols)
+
+    @property
     def numel(self) -> int:
         return self.rows * self.cols
 
-    def rows_on(self, rank: int, world_size: int) -> tuple[int, int]:
-        """The unit's rows held by `rank`, as offsets into the unit ([0, rows)); possibly empty."""
-        shard_start, shard_end = shard_rows(self.param_rows, world_size)[rank]
-        start = min(max(shard_start, self.row_start), self.row_end)
-        end = max(start, min(shard_end, self.row_end))
-        return start - self.row_start, end - self.row_start
-
-    def rows_in_shard(self, rank: int, world_size: int) -> tuple[int, int]:
-        """The same rows as offsets into `rank`'s local shard of the parameter."""
-        lo, hi = self.rows_on(rank, world_size)
-        shard_start = shard_rows(self.param_rows, world_size)[rank][0]
-        return lo + self.row_start - shard_start, hi + self.row_start - shard_start
-
-    def numel_on(self, rank: int, world_size: int) -> int:
-        start, end = self.rows_on(rank, world_size)
-        return (end - start) * self.cols
+    @property
+    def box(self) -> Box:
+        return ((self.matrix, self.matrix + 1), (self.row_start, self.row_end), (0, self.cols))
 
 
 @dataclass(frozen=True)
@@ -68,58 +65,13 @@ class Plan:
     owners: tuple[int, ...]  # owner rank of each unit
     buckets: tuple[tuple[int, ...], ...]  # unit indices, in communication order
 
-    def owned_units(self, bucket: int, rank: int) -> list[int]:
-        return [u for u in self.buckets[bucket] if self.owners[u] == rank]
-
-    def send_counts(self, bucket: int, rank: int) -> list[int]:
-        """Elements `rank` sends to each owner in the bucket's outbound all-to-all."""
-        counts = [0] * self.world_size
-        for u in self.buckets[bucket]:
-            counts[self.owners[u]] += self.units[u].numel_on(rank, self.world_size)
-        return counts
-
-    def recv_counts(self, bucket: int, rank: int) -> list[int]:
-        """Elements `rank` receives from each rank in the bucket's outbound all-to-all.
-
-        The return trip uses the same two lists swapped.
-        """
-        return [
-            sum(self.units[u].numel_on(src, self.world_size) for u in self.owned_units(bucket, rank))
-            for src in range(self.world_size)
-        ]
-
-    def ns_flops(self, rank: int, ns_steps: int) -> int:
-        return sum(
-            newton_schulz_flops(self.units[u].rows, self.units[u].cols, ns_steps)
-            for u, owner in enumerate(self.owners)
-            if owner == rank
-        )
-
-    def elements_sent(self, rank: int) -> int:
-        """Elements `rank` puts on the wire per step (outbound to owners + return trip), self excluded."""
-        total = 0
-        for b in range(len(self.buckets)):
-            outbound = self.send_counts(b, rank)
-            inbound = self.recv_counts(b, rank)  # what returns, as the owner
-            total += sum(outbound) - outbound[rank] + sum(inbound) - inbound[rank]
-        return total
-
     def fingerprint(self) -> int:
         """A 63-bit digest of the whole plan, equal on ranks that computed the same plan."""
         digest = hashlib.sha256(repr((self.world_size, self.units, self.owners, self.buckets)).encode())
         return int.from_bytes(digest.digest()[:8], "little") >> 1
 
 
-def offsets(counts: list[int]) -> list[int]:
-    """Start of each block in a buffer holding blocks of `counts` elements back to back."""
-    starts, total = [], 0
-    for c in counts:
-        starts.append(total)
-        total += c
-    return starts
-
-
-def make_buckets(unit_bytes: list[int], bucket_bytes: int) -> list[list[int]]:
+def make_buckets(unit_bytes: Sequence[int], bucket_bytes: int) -> list[list[int]]:
     """Consecutive units, each bucket at most `bucket_bytes` unless a single unit is larger."""
     buckets: list[list[int]] = []
     filled = 0
@@ -132,26 +84,198 @@ def make_buckets(unit_bytes: list[int], bucket_bytes: int) -> list[list[int]]:
     return buckets
 
 
-def assign_owners(costs: list[int], world_size: int) -> list[int]:
-    """Longest-processing-time greedy: costliest unit first, to the least loaded rank (lowest on ties).
+def assign_owners(
+    costs: Sequence[int],
+    world_size: int,
+    *,
+    numels: Sequence[int] | None = None,
+    local_pieces: Sequence[dict[int, int]] | None = None,
+    shard_numels: Sequence[int] | None = None,
+    slack: float = 0.05,
+) -> list[int]:
+    """Longest-processing-time greedy on Newton–Schulz cost, aware of bytes.
 
-    Balancing the whole step (not each bucket) minimizes the slowest owner's Newton–Schulz
-    time; LPT keeps it within the mean plus one unit.
+    Costliest unit first. Without byte information: to the least loaded rank (lowest on
+    ties), which keeps the busiest owner within the mean plus one unit. With it
+    (``numels[u]``, ``local_pieces[u] = {rank: elements of u that rank holds}``,
+    ``shard_numels[r]``): among the least loaded rank and the ranks holding part of the unit,
+    those whose load stays within ``slack`` × the mean load of the least loaded one are
+    eligible, and the one whose traffic stays lowest against its 2× shard bound wins (ties:
+    more local elements, then less load). A rank sends, per step, its shard's pieces of units
+    owned elsewhere plus the other ranks' pieces of the units it owns: owning u changes that
+    by ``numel(u) − 2 · local(u)``.
     """
     owners = [-1] * len(costs)
     loads = [0] * world_size
+    heap = [(0, r) for r in range(world_size)]  # (load, rank), lazily refreshed
+    byte_aware = numels is not None and local_pieces is not None and shard_numels is not None
+    sent = list(shard_numels) if byte_aware else []
+    margin = slack * sum(costs) / max(world_size, 1)
     for u in sorted(range(len(costs)), key=lambda u: (-costs[u], u)):
-        rank = min(range(world_size), key=lambda r: (loads[r], r))
+        while heap[0][0] != loads[heap[0][1]]:
+            load, rank = heapq.heappop(heap)
+            heapq.heappush(heap, (loads[rank], rank))
+        least = heap[0][1]
+        rank = least
+        if byte_aware:
+            candidates = {least, *local_pieces[u]}
+
+            def score(r: int) -> tuple:
+                after = sent[r] + numels[u] - 2 * local_pieces[u].get(r, 0)
+                return (max(0, after - 2 * shard_numels[r]), -local_pieces[u].get(r, 0), loads[r], r)
+
+            eligible = [r for r in candidates if loads[r] <= loads[least] + margin]
+            rank = min(eligible, key=score)
+            sent[rank] += numels[u] - 2 * local_pieces[u].get(rank, 0)
         owners[u] = rank
         loads[rank] += costs[u]
+        heapq.heappush(heap, (loads[rank], rank))
     return owners
 
 
-def build_plan(units: list[Unit], world_size: int, bucket_bytes: int, ns_steps: int = 5) -> Plan:
-    """Bucket `units` in the given order (4-byte elements for sizing) and give each an owner."""
+def build_plan(
+    units: Sequence[Unit],
+    shardings: Sequence[Sharding],
+    world_size: int,
+    bucket_bytes: int,
+    cost: Callable[[int, int], int] | None = None,
+    max_holders: int = 8,
+) -> Plan:
+    """Bucket `units` in the given order (4-byte elements for sizing) and give each an owner.
+
+    ``shardings[unit.param]`` says which ranks hold which part of each unit; ``cost(rows,
+    cols)`` is the unit's Newton–Schulz cost (default: 5-step FLOPs). Units spread over more
+    than ``max_holders`` ranks gain nothing from locality and are placed on load alone.
+    """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    cost = cost or (lambda rows, cols: newton_schulz_flops(rows, cols, 5))
     buckets = make_buckets([4 * unit.numel for unit in units], bucket_bytes)
-    costs = [newton_schulz_flops(unit.rows, unit.cols, ns_steps) for unit in units]
-    owners = assign_owners(costs, world_size)
+    costs = [cost(unit.rows, unit.cols) for unit in units]
+    local_pieces = []
+    for unit in units:
+        holders = list(itertools.islice(shardings[unit.param].holders(unit.box), max_holders + 1))
+        local_pieces.append({} if len(holders) > max_holders else {r: box_numel(piece) for r, piece in holders})
+    shard_numels = [0] * world_size
+    repeats = Counter(shardings[param] for param in {u.param for u in units})  # models repeat a few shardings
+    for sharding, count in repeats.items():
+        for r in range(world_size):
+            shard_numels[r] += count * box_numel(sharding.box(r))
+    owners = assign_owners(
+        costs, world_size, numels=[u.numel for u in units], local_pieces=local_pieces, shard_numels=shard_numels
+    )
     return Plan(world_size, tuple(units), tuple(owners), tuple(tuple(b) for b in buckets))
+
+
+# ------------------------------------------------------------------ per-rank tables
+
+
+@dataclass(frozen=True)
+class Piece:
+    """The part of a unit one rank holds, and where it sits in an exchange buffer.
+
+    ``peer``: for an outbound piece the owner it goes to; for an inbound piece the rank it
+    comes from. ``rows`` / ``cols``: the piece's place inside the unit. ``local``: for outbound
+    pieces, (matrix, row start, row end) inside this rank's local (matrices, rows, cols) stack;
+    an outbound piece always spans the local block's columns.
+    """
+
+    unit: int
+    peer: int
+    offset: int
+    rows: tuple[int, int]
+    cols: tuple[int, int]
+    local: tuple[int, int, int] = (0, 0, 0)
+
+    @property
+    def numel(self) -> int:
+        return (self.rows[1] - self.rows[0]) * (self.cols[1] - self.cols[0])
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.rows[1] - self.rows[0], self.cols[1] - self.cols[0])
+
+
+@dataclass(frozen=True)
+class BucketSchedule:
+    """One rank's view of one bucket. The return trip uses the same tables mirrored:
+    owners send ``inbound``'s layout back with ``recv_counts`` as split sizes, and this rank
+    receives its updates in ``outbound``'s layout."""
+
+    send_counts: tuple[int, ...]
+    recv_counts: tuple[int, ...]
+    outbound: tuple[Piece, ...]  # ordered by owner, then bucket order
+    inbound: tuple[Piece, ...]  # pieces of owned units, ordered by source rank, then bucket order
+    owned: tuple[int, ...]  # units this rank owns, bucket order
+
+    @property
+    def send_numel(self) -> int:
+        return sum(self.send_counts)
+
+    @property
+    def recv_numel(self) -> int:
+        return sum(self.recv_counts)
+
+
+def bucket_schedule(plan: Plan, shardings: Sequence[Sharding], bucket: int, rank: int) -> BucketSchedule:
+    world = plan.world_size
+    members = plan.buckets[bucket]
+    send_counts, recv_counts = [0] * world, [0] * world
+    outbound_raw = []
+    for u in members:
+        unit, sharding = plan.units[u], shardings[plan.units[u].param]
+        mine = sharding.box(rank)
+        piece = _intersection(mine, unit.box)
+        if piece is None:
+            continue
+        (m0, _), (r0, r1), (c0, c1) = piece
+        local = (m0 - mine[0][0], r0 - mine[1][0], r1 - mine[1][0])
+        outbound_raw.append((plan.owners[u], u, (r0 - unit.row_start, r1 - unit.row_start), (c0, c1), local))
+    outbound_raw.sort(key=lambda p: p[0])  # stable: bucket order within an owner
+    outbound, offset = [], 0
+    for owner, u, rows, cols, local in outbound_raw:
+        piece = Piece(u, owner, offset, rows, cols, local)
+        outbound.append(piece)
+        send_counts[owner] += piece.numel
+        offset += piece.numel
+
+    owned = tuple(u for u in members if plan.owners[u] == rank)
+    inbound_raw = []
+    for order, u in enumerate(owned):
+        unit = plan.units[u]
+        for src, ((_, _), (r0, r1), (c0, c1)) in shardings[unit.param].holders(unit.box):
+            inbound_raw.append((src, order, u, (r0 - unit.row_start, r1 - unit.row_start), (c0, c1)))
+    inbound_raw.sort(key=lambda p: (p[0], p[1]))
+    inbound, offset = [], 0
+    for src, _, u, rows, cols in inbound_raw:
+        piece = Piece(u, src, offset, rows, cols)
+        inbound.append(piece)
+        recv_counts[src] += piece.numel
+        offset += piece.numel
+    return BucketSchedule(tuple(send_counts), tuple(recv_counts), tuple(outbound), tuple(inbound), owned)
+
+
+def rank_schedule(plan: Plan, shardings: Sequence[Sharding], rank: int) -> tuple[BucketSchedule, ...]:
+    """Everything `rank` needs per step, bucket by bucket: computed once, read every step."""
+    return tuple(bucket_schedule(plan, shardings, b, rank) for b in range(len(plan.buckets)))
+
+
+def _intersection(a: Box, b: Box) -> Box | None:
+    out = []
+    for (a0, a1), (b0, b1) in zip(a, b):
+        lo, hi = max(a0, b0), min(a1, b1)
+        if lo >= hi:
+            return None
+        out.append((lo, hi))
+    return tuple(out)
+
+
+def elements_sent(schedules: Sequence[BucketSchedule], rank: int) -> int:
+    """Elements `rank` puts on the wire per step (outbound + return trip), self excluded."""
+    return sum(
+        s.send_numel - s.send_counts[rank] + s.recv_numel - s.recv_counts[rank] for s in schedules
+    )
+
+
+def ns_cost(plan: Plan, rank: int, cost: Callable[[int, int], int]) -> int:
+    return sum(cost(u.rows, u.cols) for u, owner in zip(plan.units, plan.owners) if owner == rank)

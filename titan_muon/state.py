@@ -71,7 +71,11 @@ class MomentumStorage:
         """The momentum of the local rows as an fp32 tensor (rows, cols) to update in place."""
         raise NotImplementedError
 
-    def store(self, state: dict, momentum: Tensor, stream: int = 0) -> None:
+    def create_block(self, rows: int, cols: int, device: torch.device) -> dict[str, Tensor]:
+        """Zero state for a plain (rows, cols) block of momentum, e.g. a whole matrix held by its owner."""
+        return self.create(torch.empty(rows, cols, device=device))
+
+    def store(self, state: dict, momentum: Tensor, stream: int = 0, first_row: int | None = None) -> None:
         """Write the fp32 local rows back, rounding to the stored dtype.
 
         ``stream`` tells parameters apart for stochastic rounding: pass the parameter's index
@@ -95,7 +99,7 @@ class Fp32Storage(MomentumStorage):
         buf = local_shard(_heal(state, "momentum_buffer", torch.float32))
         return buf  # the buffer itself: updating it in place is the store
 
-    def store(self, state, momentum, stream=0):
+    def store(self, state, momentum, stream=0, first_row=None):
         buf = local_shard(_heal(state, "momentum_buffer", torch.float32))
         _check_shape(momentum, buf)
         if momentum is not buf:
@@ -122,14 +126,14 @@ class Bf16Storage(MomentumStorage):
     def load(self, state):
         return local_shard(_heal(state, "momentum_buffer", torch.bfloat16)).float()
 
-    def store(self, state, momentum, stream=0):
+    def store(self, state, momentum, stream=0, first_row=None):
         buf = _heal(state, "momentum_buffer", torch.bfloat16)
         _check_shape(momentum, local_shard(buf))
         if self.rounding == "nearest":
             local_shard(buf).copy_(momentum)
             return
         state["step"] += 1
-        noise = _noise(int(state["step"]), stream, buf, 16)
+        noise = _noise(int(state["step"]), stream, buf, 16, first_row)
         local_shard(buf).copy_(_round_bits_(momentum.clone(), noise, 16))
 
     def bytes_per_element(self, rows, cols):
@@ -172,7 +176,7 @@ class Fp8Storage(MomentumStorage):
             block.mul_(_pow2(e).unsqueeze(-1))
         return m
 
-    def store(self, state, momentum, stream=0):
+    def store(self, state, momentum, stream=0, first_row=None):
         codes, exps_state = _heal(state, "momentum_fp8", torch.uint8), _heal(state, "momentum_exp", torch.int8)
         _check_shape(momentum, local_shard(codes))
         state["step"] += 1
@@ -185,7 +189,7 @@ class Fp8Storage(MomentumStorage):
         if self.rounding == "stochastic":
             # fp32 has 23 mantissa bits, e4m3 has 3: round the 20 dropped bits stochastically;
             # the result is then exact in e4m3 (except for its subnormals, which round to nearest).
-            _round_bits_(scaled, _noise(int(state["step"]), stream, codes, 20), 20)
+            _round_bits_(scaled, _noise(int(state["step"]), stream, codes, 20, first_row), 20)
         local_shard(codes).copy_(scaled.to(FP8).view(torch.uint8))
         local_shard(exps_state).copy_(exps)
 
@@ -282,7 +286,7 @@ def _round_bits_(x: Tensor, noise: Tensor, bits: int) -> Tensor:
     return x
 
 
-def _noise(step: int, stream: int, like: Tensor, bits: int) -> Tensor:
+def _noise(step: int, stream: int, like: Tensor, bits: int, first_row: int | None = None) -> Tensor:
     """Uniform int32 noise in [0, 2**bits) for the local rows of `like`, a function of global rows only.
 
     Global rows are grouped NOISE_ELEMENTS at a time (the group size depends only on the
@@ -294,7 +298,7 @@ def _noise(step: int, stream: int, like: Tensor, bits: int) -> Tensor:
     out = torch.empty(rows, cols, dtype=torch.int32)
     if rows == 0:
         return out.to(like.device)
-    first = _row_offset(like)
+    first = _row_offset(like) if first_row is None else first_row
     per_group = max(1, NOISE_ELEMENTS // cols)
     generator = torch.Generator()
     for group in range(first // per_group, (first + rows - 1) // per_group + 1):

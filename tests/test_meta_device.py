@@ -1,0 +1,127 @@
+"""GPU readiness without a GPU: the whole step on `meta` tensors over a meta-only process group.
+
+Asserted for every feature combination: no collective ever sees a tensor off the parameters'
+device, the step copies nothing host->device, it reads the device from the host at most
+twice (the gradient verdict and the all-ranks-succeeded check) however many matrices there
+are, and its aten op count per Muon matrix stays bounded.
+"""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from meta_device import DeviceAudit, meta_process_group
+from titan_muon import Muon, build_param_groups
+
+# Llama-3-8B shapes (dim 4096, 32 heads of 128, 8 KV heads, MLP 14336), a few layers.
+DIM, HIDDEN, KV = 4096, 14336, 1024
+LAYER = {"wq": (DIM, DIM), "wk": (KV, DIM), "wv": (KV, DIM), "wo": (DIM, DIM), "w1": (HIDDEN, DIM), "w2": (DIM, HIDDEN), "w3": (HIDDEN, DIM)}
+HEAD_DIM = 128
+OPS_PER_MATRIX = 60  # measured ~30-45 depending on the features; see test_op_count_per_matrix
+
+
+def _sharded(shape, mesh, placements, shard_dim):
+    size, index = mesh.size(shard_dim), mesh.get_local_rank(shard_dim)
+    chunk = -(-shape[0] // size)
+    rows = max(0, min(shape[0], (index + 1) * chunk) - min(shape[0], index * chunk))
+    local = torch.empty(rows, *shape[1:], device="meta")
+    stride = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
+
+
+class MetaModel(nn.Module):
+    def __init__(self, layers, mesh, placements, shard_dim):
+        super().__init__()
+        self.layers = nn.ModuleList()
+        for _ in range(layers):
+            block = nn.Module()
+            for name, shape in LAYER.items():
+                block.register_parameter(name, nn.Parameter(_sharded(shape, mesh, placements, shard_dim)))
+            block.register_parameter("norm", nn.Parameter(_sharded((DIM,), mesh, placements, shard_dim)))
+            self.layers.append(block)
+        self.tok_embeddings = nn.Parameter(_sharded((2048, DIM), mesh, placements, shard_dim))
+
+
+def _set_grads(model):
+    for p in model.parameters():
+        p.grad = DTensor.from_local(torch.empty_like(p.to_local()), p.device_mesh, p.placements, run_check=False,
+                                    shape=p.shape, stride=p.stride())  # fmt: skip
+
+
+def _fire_hooks(model):
+    """What FSDP2 does during backward: post-accumulate-grad hooks, last layer first."""
+    for p in reversed(list(model.parameters())):
+        for hook in list(p._post_accumulate_grad_hooks.values()) if p._post_accumulate_grad_hooks else []:
+            hook(p)
+
+
+def _run(layers, world=8, rank=3, hsdp=False, audit_steps=1, fire_hooks=None, **settings):
+    with meta_process_group(rank, world):
+        if hsdp:
+            mesh = init_device_mesh("meta", (2, world // 2))
+            placements, shard_dim = [Replicate(), Shard(0)], 1
+        else:
+            mesh = init_device_mesh("meta", (world,))
+            placements, shard_dim = [Shard(0)], 0
+        model = MetaModel(layers, mesh, placements, shard_dim)
+        audit = DeviceAudit()
+        with audit:
+            opt = Muon(build_param_groups(model, adamw_lr=1e-3), lr=1e-3, **settings)
+            results = []
+            for step in range(1 + audit_steps):  # the first step creates the state
+                _set_grads(model)
+                if settings.get("overlap") if fire_hooks is None else fire_hooks:
+                    _fire_hooks(model)
+                audit.reset()
+                opt.step()
+                if step:
+                    results.append((audit.host_syncs, audit.host_to_device, list(audit.foreign_collectives), audit.op_count))
+                opt.zero_grad()
+        matrices = sum(1 for _ in opt.plan.units) + len(opt._local_units)
+        return results, matrices, opt
+
+
+CASES = {
+    "fp32": dict(),
+    "bf16-momentum": dict(momentum_dtype="bf16"),
+    "fp8-momentum": dict(momentum_dtype="fp8"),
+    "bf16-comm-and-ns": dict(comm_dtype="bf16", ns_dtype="bf16"),
+    "polar-express": dict(ns_coefficients="polar_express"),
+    "split-heads": dict(row_blocks={"layers.*.wq": HEAD_DIM, "layers.*.wk": HEAD_DIM, "layers.*.wv": HEAD_DIM}),
+    "overlap": dict(overlap=True),
+    "overlap-fp8-split": dict(overlap=True, momentum_dtype="fp8", row_blocks={"layers.*.wq": HEAD_DIM}),
+    "small-window": dict(buckets_in_flight=1, bucket_size_mb=64),
+    "skip-policy": dict(nonfinite_grads="skip"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
+@pytest.mark.parametrize("hsdp", [False, True], ids=["fsdp", "hsdp"])
+def test_step_is_device_clean(case, hsdp):
+    results, _, _ = _run(2, hsdp=hsdp, **CASES[case])
+    syncs, host_to_device, foreign, _ = results[0]
+    assert foreign == [], f"collectives on tensors off the device: {foreign[:3]}"
+    assert host_to_device == 0
+    assert syncs <= 2
+
+
+@pytest.mark.parametrize("case", ["fp32", "overlap"])
+def test_host_syncs_do_not_grow_with_the_model(case):
+    small, _, _ = _run(1, **CASES[case])
+    large, _, _ = _run(4, **CASES[case])
+    assert small[0][0] == large[0][0] <= 2
+
+
+def test_op_count_per_matrix():
+    """aten ops (a stand-in for kernel launches) per Muon matrix per step, on 8 ranks: the
+    per-step constant shows as the difference between 1 and 4 layers."""
+    for case in ("fp32", "fp8-momentum", "split-heads", "overlap"):
+        small, small_matrices, _ = _run(1, **CASES[case])
+        large, large_matrices, _ = _run(4, **CASES[case])
+        per_matrix = (large[0][3] - small[0][3]) / (large_matrices - small_matrices)
+        print(f"{case}: {per_matrix:.1f} aten ops per Muon matrix per step")
+        assert per_matrix <= OPS_PER_MATRIX, (case, per_matrix)

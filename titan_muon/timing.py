@@ -1,0 +1,48 @@
+"""Step timings that measure the device's work, not the host's.
+
+On CUDA, kernels run asynchronously: ``time.perf_counter`` around them measures the launch,
+not the work. There the timer records CUDA events and computes the elapsed time only when
+someone reads it (a logging step), so timing costs no host sync. Elsewhere (CPU, meta) it
+uses the host clock.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Callable
+
+import torch
+
+
+class StepTimer:
+    """Named intervals, each possibly started and stopped several times (their sum is reported)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self._open: dict[str, object] = {}
+        self._closed: dict[str, list] = defaultdict(list)
+
+    def _now(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def start(self, name: str) -> None:
+        self._open[name] = self._now()
+
+    def stop(self, name: str) -> None:
+        self._closed[name].append((self._open.pop(name), self._now()))
+
+    def elapsed_ms(self, name: str) -> float | Callable[[], float]:
+        """Total milliseconds of `name`: a number, or on CUDA a function that reads the events."""
+        intervals = self._closed.get(name, [])
+        if not self.cuda:
+            return 1e3 * sum(stop - start for start, stop in intervals)
+
+        def read() -> float:
+            return sum(start.elapsed_time(stop) for start, stop in intervals)  # waits for the events
+
+        return read
