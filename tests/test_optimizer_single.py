@@ -208,3 +208,32 @@ def test_settings_changed_after_load_state_dict_take_effect():
     fresh.step()
     for n in tensors:
         assert torch.equal(tensors[n], before[n]), n
+
+
+def test_bf16_parameters_step_with_fp32_momentum():
+    """bf16 weights (and gradients): momentum stays fp32, the update is applied in bf16."""
+    params = make_params(shapes={"a": (30, 64), "b": (64, 30)})
+    ours32, _ = run_titan(params, 3, set(params), lr=0.02)
+    tensors = {n: nn.Parameter(p.clone().bfloat16()) for n, p in params.items()}
+    opt = Muon(list(tensors.values()), lr=0.02)
+    for s in range(3):
+        for n, g in grads_for(s, params).items():
+            tensors[n].grad = g.bfloat16()
+        opt.step()
+    assert all(opt.state[t]["momentum_buffer"].dtype == torch.float32 for t in tensors.values())
+    for n in params:
+        # bf16 weights round to 2^-8 relative: once when cast, then after the weight decay and
+        # after the update of each of the 3 steps (7 roundings); bf16 gradients move the
+        # orthogonalized update by about 2^-8 of itself (5 % of the total change allowed).
+        change = (ours32[n] - params[n]).abs().max()
+        assert (tensors[n].detach().float() - ours32[n]).abs().max() <= 7 * 2**-8 * params[n].abs().max() + 0.05 * change
+
+
+@pytest.mark.parametrize("shape", [(16, 0), (0, 16)])
+def test_empty_matrix_is_refused_by_name(shape):
+    good, empty = nn.Parameter(torch.randn(8, 8)), nn.Parameter(torch.randn(*shape))
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\.params\[1\] \(shape \(%d, %d\)\).*non-empty" % shape):
+        Muon([good, empty])
+    named = [{"params": [("w", good), ("layers.0.empty", empty)]}]
+    with pytest.raises(ValueError, match="'layers.0.empty' has shape"):
+        Muon(named)

@@ -35,14 +35,14 @@ from torch.optim.adamw import adamw as adamw_functional
 
 from titan_muon.layout import RankGrid, Sharding, replicated, sharding_of
 from titan_muon.newton_schulz import NS_METHODS, coefficient_schedule, newton_schulz_flops, orthogonalize
-from titan_muon.overlap import BackwardOverlap, twin_group
+from titan_muon.overlap import BackwardOverlap
 from titan_muon.owner_state import blocks_to_shards, shards_to_blocks
 from titan_muon.plan import BucketSchedule, Plan, Unit, build_plan, rank_schedule
 from titan_muon.redistribute import assemble, disassemble, local_views, pack, unpack
 from titan_muon.split import RowBlocks, match_row_blocks, row_block_ranges
 from titan_muon.state import momentum_storage
 from titan_muon.timing import StepTimer
-from titan_muon.transport import Exchange, Transport
+from titan_muon.transport import Exchange, Transport, cached_group, twin_group
 from titan_muon.update import ADJUST_LR_FNS, local_shard, update_scale
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -310,7 +310,7 @@ class Muon(Optimizer):
                 loss = closure()
         timer = StepTimer(self.device)
         timer.start("step")
-        self.transport.bytes_sent = self.transport.bytes_received = 0
+        self.transport.bytes_sent = self.transport.bytes_received = self._outbound_bytes = 0
         self._ensure_state()
         verdict = self._agree_on_gradients()  # host read 1
         if verdict is None:  # non-finite gradients with nonfinite_grads="skip"
@@ -436,6 +436,7 @@ class Muon(Optimizer):
                 failure.record(error, f"packing bucket {bucket}")
         if send is None:
             send = torch.zeros(schedule.send_numel, dtype=self.comm_dtype, device=self.device)
+        self._outbound_bytes += send.element_size() * (schedule.send_numel - schedule.send_counts[self.transport.rank])
         return self.transport.all_to_all(send, schedule.send_counts, schedule.recv_counts)
 
     def _outbound_source(
@@ -619,6 +620,7 @@ class Muon(Optimizer):
             "muon/ns_time_ms": timer.elapsed_ms("ns"),
             "muon/ns_flops": float(work.ns_flops),
             "muon/bytes_sent": float(self.transport.bytes_sent),
+            "muon/bytes_sent_to_owners": float(self._outbound_bytes),
             "muon/bytes_received": float(self.transport.bytes_received),
             "muon/skipped_steps": float(self.skipped_steps),
         }
@@ -784,10 +786,7 @@ _FLATTENED_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
 def _group_over(mesh, dims: list[int], ranks: list[int]) -> dist.ProcessGroup:
     if len(dims) == 1:
         return mesh.get_group(dims[0])
-    key = tuple(sorted(ranks))
-    if key not in _FLATTENED_GROUPS:  # created once per process, whatever re-plans later
-        _FLATTENED_GROUPS[key] = dist.new_group(list(key), use_local_synchronization=True)
-    return _FLATTENED_GROUPS[key]
+    return cached_group(_FLATTENED_GROUPS, tuple(sorted(ranks)))
 
 
 def _sharding(p: DTensor, name: str, grid: RankGrid) -> Sharding:

@@ -40,19 +40,6 @@ from titan_muon.transport import Exchange, Transport
 
 SUMS = 4  # Σg, Σ(row+1)g, Σ(col+1)g, Σg²
 
-_TWIN_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
-
-
-def twin_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
-    """A second process group over `group`'s ranks, created once per process and reused."""
-    if group is None:
-        return None
-    ranks = tuple(sorted(dist.get_process_group_ranks(group)))
-    if ranks not in _TWIN_GROUPS:
-        _TWIN_GROUPS[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
-    return _TWIN_GROUPS[ranks]
-
-
 def gradient_sums(grad: Tensor, first_row: int, first_col: int) -> Tensor:
     """Σg, Σ(row+1)·g, Σ(col+1)·g, Σg² of a (matrices, rows, cols) block, in float64.
 

@@ -87,3 +87,27 @@ class Transport:
                 f"(this rank: {value:#x}). Every rank must build the optimizer from the same model "
                 "with the same parameter order, shapes and settings."
             )
+
+
+_TWIN_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
+
+
+def twin_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+    """A second process group over `group`'s ranks, created once per process and reused."""
+    if group is None:
+        return None
+    return cached_group(_TWIN_GROUPS, tuple(sorted(dist.get_process_group_ranks(group))))
+
+
+def cached_group(cache: dict[tuple[int, ...], dist.ProcessGroup], ranks: tuple[int, ...]) -> dist.ProcessGroup:
+    """A process group over `ranks` from `cache`, created (by those ranks only) if missing or if
+    it belonged to a process group world that has since been destroyed. Re-planning reuses it."""
+    group = cache.get(ranks)
+    if group is not None:
+        try:
+            dist.get_process_group_ranks(group)
+        except (ValueError, RuntimeError):
+            group = None
+    if group is None:
+        group = cache[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
+    return group

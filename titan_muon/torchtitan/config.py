@@ -24,16 +24,20 @@ class Optimizer:
     """Newton-Schulz iterations per update."""
     ns_coefficients: Literal["keller", "polar_express"] = "keller"
     """"keller" (quintic, as in the original Muon) or "polar_express"."""
-    ns_dtype: Literal["fp32", "bf16"] = "fp32"
-    """Newton-Schulz matmul precision: "fp32" (fast on CPU) or "bf16" (fast on GPU)."""
-    comm_dtype: Literal["fp32", "bf16"] = "fp32"
-    """dtype of the momentum / update traffic between ranks: "fp32" or "bf16"."""
+    ns_dtype: Literal["auto", "fp32", "bf16"] = "auto"
+    """Newton-Schulz matmul precision: "auto" = "bf16" on CUDA (tensor cores), "fp32" on CPU
+    (exact; bf16 matmuls are slow there)."""
+    comm_dtype: Literal["auto", "fp32", "bf16"] = "auto"
+    """dtype of Muon's traffic between ranks: "auto" = the NS dtype (bf16 traffic costs no
+    accuracy that bf16 NS has not already given up; fp32 keeps W ranks bit-close to one process)."""
     momentum_dtype: Literal["fp32", "bf16", "fp8"] = "fp32"
     """How Muon momentum is stored: "bf16" halves it, "fp8" (row-scaled) quarters it."""
     adjust_lr_fn: Literal["original", "match_rms_adamw"] = "original"
     """"original": scale by sqrt(max(1, rows/cols)); "match_rms_adamw": 0.2*sqrt(max(rows, cols)),
     which lets Muon reuse an AdamW learning rate."""
     bucket_size_mb: float = 64.0
+    buckets_in_flight: int = 2
+    """Buckets whose all-to-all runs ahead of the owners' Newton-Schulz: bounds the step's transient memory."""
     overlap: bool = False
     """Send each bucket's gradient rows to their owners during backward (FSDP2 hooks)."""
     split: Literal["none", "head", "fine"] = "none"
@@ -110,8 +114,10 @@ def validate_optimizer_config(config: Any) -> None:
     for key in ("nesterov", "overlap", "qk_clip"):
         if not isinstance(getattr(config, key), bool):
             fail(key, "true or false")
-    if not isinstance(config.ns_steps, int) or isinstance(config.ns_steps, bool) or config.ns_steps < 1:
-        fail("ns_steps", "a positive integer")
+    for key in ("ns_steps", "buckets_in_flight"):
+        value = getattr(config, key)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            fail(key, "a positive integer")
     for key, choices in _CHOICES.items():
         if getattr(config, key) not in choices:
             fail(key, f"one of {choices}")

@@ -36,6 +36,7 @@ def muon_kwargs(config: Any) -> dict[str, Any]:
         adamw_betas=(config.beta1, config.beta2),
         adamw_eps=config.eps,
         bucket_size_mb=config.bucket_size_mb,
+        buckets_in_flight=config.buckets_in_flight,
         nonfinite_grads=config.nonfinite_grads,
         overlap=config.overlap,
     )

@@ -1,0 +1,109 @@
+"""An exception on one rank in the middle of step(): every rank raises, nothing changes, nobody hangs.
+
+The failing rank keeps taking part in every exchange (sending zeros) and the ranks agree on
+success before anything is written, so the others raise the same error instead of waiting.
+"""
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard
+
+import titan_muon.optimizer as optimizer_module
+from distributed import run_distributed
+from test_optimizer_distributed import SHAPES, _distributed_params, _optimizer, _set_grads
+
+
+def _snapshot(module, opt):
+    params = {n: p.to_local().clone() for n, p in module.named_parameters()}
+    state = {(id(p), k): v.to_local().clone() if hasattr(v, "to_local") else v.clone() for p, s in opt.state.items() for k, v in s.items()}
+    return params, state
+
+
+def _unchanged(before, after):
+    return all(torch.equal(before[0][n], after[0][n]) for n in before[0]) and before[1].keys() == after[1].keys() and all(
+        torch.equal(before[1][k], after[1][k]) for k in before[1]
+    )
+
+
+def _fail_once(rank, world, where, failing_rank, path, overrides):
+    mesh = init_device_mesh("cpu", (world,))
+    module = _distributed_params(mesh, [Shard(0)])
+    opt = _optimizer(module, **overrides)
+    _set_grads(module, 0, mesh, [Shard(0)])
+    opt.step()  # a healthy step: state exists
+    _set_grads(module, 1, mesh, [Shard(0)])
+    before = _snapshot(module, opt)
+
+    original = getattr(optimizer_module, where)
+
+    def broken(*args, **kwargs):
+        if rank == failing_rank:
+            raise MemoryError("injected failure")
+        return original(*args, **kwargs)
+
+    setattr(optimizer_module, where, broken)
+    try:
+        opt.step()
+        outcome = ("ok", "")
+    except RuntimeError as error:
+        outcome = (type(error).__name__, str(error))
+    finally:
+        setattr(optimizer_module, where, original)
+    unchanged = _unchanged(before, _snapshot(module, opt))
+
+    # State was untouched, so a checkpoint taken now and a retry give the clean run's result.
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_sd, optim_sd = get_state_dict(module, opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    opt.step()
+    retried = {n: p.full_tensor() for n, p in module.named_parameters()}
+
+    fresh_module = _distributed_params(mesh, [Shard(0)], seed=123)
+    fresh = _optimizer(fresh_module, **overrides)
+    model_sd, optim_sd = get_state_dict(fresh_module, fresh)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(fresh_module, fresh, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    _set_grads(fresh_module, 1, mesh, [Shard(0)])
+    fresh.step()
+    resumed = {n: p.full_tensor() for n, p in fresh_module.named_parameters()}
+    return {"outcome": outcome, "unchanged": unchanged, "retried": retried, "resumed": resumed}
+
+
+def _clean(rank, world, overrides):
+    mesh = init_device_mesh("cpu", (world,))
+    module = _distributed_params(mesh, [Shard(0)])
+    opt = _optimizer(module, **overrides)
+    for step in range(2):
+        _set_grads(module, step, mesh, [Shard(0)])
+        opt.step()
+    return {n: p.full_tensor() for n, p in module.named_parameters()}
+
+
+@pytest.mark.parametrize(
+    "world,where,failing_rank,overrides",
+    [
+        (2, "orthogonalize", 1, {}),
+        (3, "orthogonalize", 2, {"momentum_dtype": "bf16"}),
+        (3, "pack", 0, {}),
+        (2, "pack", 1, {"buckets_in_flight": 1}),
+    ],
+    ids=["ns-W2", "ns-W3-bf16-momentum", "pack-W3", "pack-W2-window1"],
+)
+def test_failure_on_one_rank_raises_everywhere_and_changes_nothing(tmp_path, world, where, failing_rank, overrides):
+    results = run_distributed(_fail_once, world, where, failing_rank, str(tmp_path), overrides, timeout=240)
+    clean = run_distributed(_clean, world, overrides, timeout=240)
+    for rank, result in enumerate(results):
+        kind, message = result["outcome"]
+        assert kind == "RuntimeError", (rank, result["outcome"])
+        assert f"failed on rank {failing_rank}" in message and "no parameter or optimizer state was changed" in message
+        if rank == failing_rank:
+            assert "injected failure" in message
+        assert result["unchanged"], f"rank {rank} changed state before the error"
+        for name in SHAPES:
+            # Bit-identical math: the failed step left no trace.
+            assert torch.equal(result["retried"][name], clean[0][name]), (rank, name)
+            assert torch.equal(result["resumed"][name], clean[0][name]), (rank, name)
