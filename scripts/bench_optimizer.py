@@ -32,8 +32,9 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 from titan_muon import Muon
 from titan_muon.newton_schulz import orthogonalize
-from titan_muon.plan import shard_rows
-from titan_muon.update import apply_update, momentum_step, update_scale
+from titan_muon.newton_schulz import newton_schulz_flops
+from titan_muon.plan import ns_cost, shard_rows
+from titan_muon.update import apply_updates_, nesterov_input, update_momentum_, update_scale
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -79,7 +80,8 @@ class GatherEverythingMuon:
         world, rank = dist.get_world_size(), dist.get_rank()
         self.bytes_sent = 0
         for p, buf in zip(self.params, self.momentum):
-            local = momentum_step(p.grad.to_local(), buf, self.mu, True)
+            local = nesterov_input(p.grad.to_local(), buf, self.mu, True)
+            update_momentum_(buf, p.grad.to_local(), self.mu)
             rows, cols = p.shape
             chunk = -(-rows // world)
             padded = torch.zeros(chunk, cols)
@@ -90,7 +92,7 @@ class GatherEverythingMuon:
             full = torch.cat([gathered[r * chunk : r * chunk + (e - s)] for r, (s, e) in enumerate(shard_rows(rows, world))])
             ortho = orthogonalize(full, dtype=self.ns_dtype).float() * update_scale("match_rms_adamw", rows, cols)
             start, end = shard_rows(rows, world)[rank]
-            apply_update(p.to_local(), ortho[start:end], self.lr, self.wd)
+            apply_updates_([p.to_local()], [ortho[start:end]], self.lr, self.wd)
 
 
 def _timed_steps(opt, module, mesh, steps, warmup):
@@ -141,7 +143,7 @@ def _rank_main(rank, world, args):
         opt = Muon(muon_groups(module), lr=0.02, adjust_lr_fn="match_rms_adamw", ns_dtype=ns_dtype)
         times = _timed_steps(opt, module, mesh, args.steps, args.warmup)
         m = opt.last_step_metrics
-        loads = [opt.plan.ns_flops(r, 5) for r in range(world)]
+        loads = [ns_cost(opt.plan, r, lambda rows, cols: newton_schulz_flops(rows, cols, 5)) for r in range(world)]
         results[label] = dict(
             times=times, bytes_sent=m["muon/bytes_sent"], ns_gflops=m["muon/ns_flops"] / max(m["muon/ns_time_ms"], 1e-9) / 1e6,
             balance=max(loads) / (sum(loads) / world), local_bytes=sum(p.to_local().numel() * 4 for p in module.parameters() if p.ndim == 2),

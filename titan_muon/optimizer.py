@@ -43,7 +43,7 @@ from titan_muon.split import RowBlocks, match_row_blocks, row_block_ranges
 from titan_muon.state import momentum_storage
 from titan_muon.timing import StepTimer
 from titan_muon.transport import Exchange, Transport, cached_group, twin_group
-from titan_muon.update import ADJUST_LR_FNS, local_shard, update_scale
+from titan_muon.update import ADJUST_LR_FNS, apply_updates_, local_shard, nesterov_input, update_momentum_, update_scale
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 DTYPE_CHOICES = (*DTYPES, "auto")
@@ -453,7 +453,7 @@ class Muon(Optimizer):
             return grad
         if entry.index not in momenta:
             momenta[entry.index] = entry.stack(self.storage.load(self.state[p]))
-        return _nesterov(grad.float(), momenta[entry.index][m, r0:r1], entry.group)
+        return nesterov_input(grad.float(), momenta[entry.index][m, r0:r1], entry.group["momentum"], entry.group["nesterov"])
 
     def _orthogonalize_local(self, verdict: "_Verdict", failure: _StepFailure, timer: StepTimer, work: _StepWork) -> None:
         """Matrices this rank holds whole: orthogonalize them while the buckets travel."""
@@ -501,10 +501,10 @@ class Muon(Optimizer):
             entry = self._muon_params[unit.param]
             c = scales.get(unit.param, 1.0)
             grad = grad * c if c != 1.0 else grad
-            momentum = self.storage.load(self._owner_momentum[u])
-            new = momentum.lerp(grad, 1 - entry.group["momentum"])
-            work.owner_momentum.append((u, new))
-            out.append(grad.lerp(new, entry.group["momentum"]) if entry.group["nesterov"] else new)
+            beta = entry.group["momentum"]
+            new = update_momentum_(self.storage.load(self._owner_momentum[u]).clone(), grad, beta)
+            work.owner_momentum.append((u, new))  # stored at the commit
+            out.append(grad.lerp(new, beta) if entry.group["nesterov"] else new)
         return torch.stack(out)
 
     def _receive_updates(self, bucket: int, exchange: Exchange, verdict: "_Verdict", failure: _StepFailure, work: _StepWork) -> None:
@@ -572,7 +572,7 @@ class Muon(Optimizer):
                     self.state[p]["step"] += 1  # its blocks count their stores the same way
                 continue
             momentum = self.storage.load(self.state[p])
-            momentum.lerp_(local_shard(p.grad).float(), 1 - entry.group["momentum"])
+            update_momentum_(momentum, local_shard(p.grad).float(), entry.group["momentum"])
             self.storage.store(self.state[p], momentum, stream=entry.index)
         for u, new in work.owner_momentum:
             unit = self.plan.units[u]
@@ -581,13 +581,10 @@ class Muon(Optimizer):
         for entry, target, update in work.updates:
             targets, updates = by_group[(entry.group_index, target.dtype)]
             targets.append(target)
-            updates.append(update if update.dtype == target.dtype else update.to(target.dtype))
+            updates.append(update)
         for (group_index, _), (targets, updates) in by_group.items():
             group = self.param_groups[group_index]
-            lr, wd = group["lr"], group["weight_decay"]
-            if lr * wd != 0:
-                torch._foreach_mul_(targets, 1 - lr * wd)
-            torch._foreach_add_(targets, updates, alpha=-lr)
+            apply_updates_(targets, updates, group["lr"], group["weight_decay"])
 
     def _adamw_step(self) -> None:
         for group in self.param_groups:
@@ -718,13 +715,6 @@ class Muon(Optimizer):
 class _Verdict:
     skipped: set[int]  # ids of parameters with no gradient on any rank (skipped, as torch.optim does)
     early: object | None  # overlap.EarlySends: buckets whose gradients reached their owners during backward
-
-
-def _nesterov(grad: Tensor, momentum: Tensor, group: dict) -> Tensor:
-    """The matrix Muon orthogonalizes, from the gradient and the momentum *before* this step's
-    update (which the commit writes later, with the same operation)."""
-    new = momentum.lerp(grad, 1 - group["momentum"])
-    return grad.lerp(new, group["momentum"]) if group["nesterov"] else new
 
 
 def _common_device(params: list[Tensor]) -> torch.device:

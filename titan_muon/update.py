@@ -1,13 +1,20 @@
-"""Muon's element-wise update rules: pure tensor math on whatever rows a rank holds.
+"""Muon's element-wise rules: pure tensor math on whatever block of a matrix a rank holds.
 
 Only Newton–Schulz needs whole matrices; momentum, Nesterov, weight decay and the step
-itself are element-wise, so they run on local FSDP shards with no communication.
+itself are element-wise, so they run on local blocks with no communication.
+
+A step computes the matrix to orthogonalize from the gradient and the *old* momentum
+(:func:`nesterov_input`) and writes the new momentum only at the commit, once every rank
+has succeeded (:func:`update_momentum_`): both apply the same ``lerp``, so the momentum the
+step used is bit for bit the momentum it stores.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
+import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
@@ -15,7 +22,7 @@ ADJUST_LR_FNS = ("original", "match_rms_adamw")
 
 
 def local_shard(t: Tensor) -> Tensor:
-    """The rows this rank holds: a DTensor's local tensor (a view: in-place updates reach it), else t."""
+    """The block this rank holds: a DTensor's local tensor (a view: in-place updates reach it), else t."""
     return t.to_local() if isinstance(t, DTensor) else t
 
 
@@ -34,13 +41,24 @@ def update_scale(adjust_lr_fn: str | None, rows: int, cols: int) -> float:
     raise ValueError(f"unknown adjust_lr_fn {adjust_lr_fn!r}; expected None or one of {ADJUST_LR_FNS}")
 
 
-def momentum_step(grad: Tensor, momentum_buffer: Tensor, momentum: float, nesterov: bool) -> Tensor:
-    """Update the buffer in place (M ← μM + (1−μ)g) and return the matrix to orthogonalize."""
-    momentum_buffer.lerp_(grad, 1 - momentum)
-    return grad.lerp(momentum_buffer, momentum) if nesterov else momentum_buffer.clone()
+def nesterov_input(grad: Tensor, momentum: Tensor, beta: float, nesterov: bool) -> Tensor:
+    """The matrix to orthogonalize: with M' = βM + (1−β)g, Nesterov's g + β(M' − g), else M'.
+
+    `momentum` is left unchanged (see :func:`update_momentum_`).
+    """
+    new = momentum.lerp(grad, 1 - beta)
+    return grad.lerp(new, beta) if nesterov else new
 
 
-def apply_update(param: Tensor, scaled_update: Tensor, lr: float, weight_decay: float) -> None:
-    """Decoupled weight decay, then the step: W ← (1 − lr·wd)·W − lr·scaled_update."""
-    param.mul_(1 - lr * weight_decay)
-    param.add_(scaled_update, alpha=-lr)
+def update_momentum_(momentum: Tensor, grad: Tensor, beta: float) -> Tensor:
+    """In place: M ← βM + (1−β)g, the same operation :func:`nesterov_input` applied."""
+    return momentum.lerp_(grad, 1 - beta)
+
+
+def apply_updates_(params: Sequence[Tensor], updates: Sequence[Tensor], lr: float, weight_decay: float) -> None:
+    """Decoupled weight decay, then the step, for many blocks at once: W ← (1 − lr·wd)·W − lr·U."""
+    if not params:
+        return
+    if lr * weight_decay != 0:
+        torch._foreach_mul_(list(params), 1 - lr * weight_decay)
+    torch._foreach_add_(list(params), [u if u.dtype == p.dtype else u.to(p.dtype) for p, u in zip(params, updates)], alpha=-lr)
