@@ -10,13 +10,20 @@ to any world size. The optimizer works on an fp32 copy of the local rows each st
     nesterov = momentum_step(grad, m, momentum, nesterov)
     storage.store(state, m, stream=index)   # every rank, every step, even with 0 local rows
 
+Momentum held whole (or as a block of rows) by one rank as plain tensors uses
+``storage.create_block(rows, cols, device)`` and ``store(..., first_row=...)``.
+
 fp8 keeps e4m3fn codes (stored as uint8) and one power-of-two scale per row and block of
 ``block_cols`` columns (stored as an int8 exponent). Neither the codes nor the scales ever
-mix rows, so a row's state, and its stochastic-rounding noise, are the same whatever rank
-holds it: the math never depends on the layout. See docs/fp8_momentum.md.
+mix rows, and the stochastic-rounding noise of an element is a hash of (step, stream, global
+row, column), so a row's state is the same whatever rank holds it: the math never depends
+on the layout. Everything is tensor ops on the momentum's device, a fixed number per call,
+with no host reads. See docs/fp8_momentum.md.
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 from torch import Tensor
@@ -28,7 +35,7 @@ MOMENTUM_DTYPES = ("fp32", "bf16", "fp8")
 ROUNDINGS = ("nearest", "stochastic")
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value: 1.75 * 2**8
-NOISE_ELEMENTS = 2**16  # elements per random stream: a whole number of rows, fixed by the global shape
+NONFINITE_EXP = 127  # scale exponent marking a block that held Inf/NaN (finite blocks use <= 120)
 
 
 def momentum_storage(momentum_dtype: str = "fp32", *, rounding: str | None = None, block_cols: int = 256) -> MomentumStorage:
@@ -65,21 +72,30 @@ class MomentumStorage:
 
     def create(self, param: Tensor) -> dict[str, Tensor]:
         """Zero state for ``param`` (a 2-D tensor, or a DTensor with Shard(0)/Replicate placements)."""
-        raise NotImplementedError
+        _check_param(param)
+        return self._zeros(param.shape[1], lambda cols, dtype: _like_rows(param, cols, dtype))
+
+    def create_block(self, rows: int, cols: int, device: torch.device | str) -> dict[str, Tensor]:
+        """Zero state of plain tensors for a (rows, cols) block of rows held by one rank.
+
+        Store into it with ``first_row`` = the block's first global row: it then rounds
+        exactly like the same rows held anywhere else.
+        """
+        if not all(isinstance(n, int) and n >= 0 for n in (rows, cols)):
+            raise ValueError(f"momentum block shape must be two non-negative ints, got ({rows!r}, {cols!r})")
+        return self._zeros(cols, lambda c, dtype: torch.zeros(rows, c, dtype=dtype, device=device))
 
     def load(self, state: dict) -> Tensor:
         """The momentum of the local rows as an fp32 tensor (rows, cols) to update in place."""
         raise NotImplementedError
 
-    def create_block(self, rows: int, cols: int, device: torch.device) -> dict[str, Tensor]:
-        """Zero state for a plain (rows, cols) block of momentum, e.g. a whole matrix held by its owner."""
-        return self.create(torch.empty(rows, cols, device=device))
-
-    def store(self, state: dict, momentum: Tensor, stream: int = 0, first_row: int | None = None) -> None:
+    def store(self, state: dict, momentum: Tensor, stream: int = 0, *, first_row: int | None = None) -> None:
         """Write the fp32 local rows back, rounding to the stored dtype.
 
         ``stream`` tells parameters apart for stochastic rounding: pass the parameter's index
-        in the optimizer (the same on every rank and after a resume).
+        in the optimizer (the same on every rank and after a resume). ``first_row`` is the
+        global index of the first local row: None derives it from a DTensor state (0 for plain
+        tensors); pass it for a plain block that holds rows [first_row, first_row + rows).
         """
         raise NotImplementedError
 
@@ -87,19 +103,22 @@ class MomentumStorage:
         """Optimizer-state bytes per parameter element of a (rows, cols) matrix."""
         raise NotImplementedError
 
+    def _zeros(self, cols: int, zeros_with_rows) -> dict[str, Tensor]:
+        """The state dict; ``zeros_with_rows(cols, dtype)`` makes a zero tensor with the rows."""
+        raise NotImplementedError
+
 
 class Fp32Storage(MomentumStorage):
     name, keys = "fp32", ("momentum_buffer",)
 
-    def create(self, param):
-        _check_param(param)
-        return {"momentum_buffer": _like_rows(param, param.shape[1], torch.float32)}
+    def _zeros(self, cols, zeros_with_rows):
+        return {"momentum_buffer": zeros_with_rows(cols, torch.float32)}
 
     def load(self, state):
         buf = local_shard(_heal(state, "momentum_buffer", torch.float32))
         return buf  # the buffer itself: updating it in place is the store
 
-    def store(self, state, momentum, stream=0, first_row=None):
+    def store(self, state, momentum, stream=0, *, first_row=None):
         buf = local_shard(_heal(state, "momentum_buffer", torch.float32))
         _check_shape(momentum, buf)
         if momentum is not buf:
@@ -116,25 +135,26 @@ class Bf16Storage(MomentumStorage):
         self.rounding = rounding
         self.keys = ("momentum_buffer", "step") if rounding == "stochastic" else ("momentum_buffer",)
 
-    def create(self, param):
-        _check_param(param)
-        state = {"momentum_buffer": _like_rows(param, param.shape[1], torch.bfloat16)}
+    def _zeros(self, cols, zeros_with_rows):
+        state = {"momentum_buffer": zeros_with_rows(cols, torch.bfloat16)}
         if self.rounding == "stochastic":
-            state["step"] = torch.zeros((), dtype=torch.int64)
+            state["step"] = _new_step()
         return state
 
     def load(self, state):
         return local_shard(_heal(state, "momentum_buffer", torch.bfloat16)).float()
 
-    def store(self, state, momentum, stream=0, first_row=None):
+    def store(self, state, momentum, stream=0, *, first_row=None):
         buf = _heal(state, "momentum_buffer", torch.bfloat16)
         _check_shape(momentum, local_shard(buf))
         if self.rounding == "nearest":
             local_shard(buf).copy_(momentum)
             return
+        first_row = _first_row(buf, first_row)
         state["step"] += 1
-        noise = _noise(int(state["step"]), stream, buf, 16, first_row)
-        local_shard(buf).copy_(_round_bits_(momentum.clone(), noise, 16))
+        noise = rounding_noise(state["step"], stream, first_row, momentum.shape, 16, momentum.device)
+        # low 16 bits cleared: the copy to bf16 is exact
+        local_shard(buf).copy_(stochastic_round_(noise, momentum, 16).view(torch.float32))
 
     def bytes_per_element(self, rows, cols):
         return 2.0 + (8.0 / (rows * cols) if self.rounding == "stochastic" else 0.0)
@@ -160,41 +180,178 @@ class Fp8Storage(MomentumStorage):
     def _blocks(self, cols: int) -> int:
         return -(-cols // self.block_cols)
 
-    def create(self, param):
-        _check_param(param)
-        cols = param.shape[1]
+    def _zeros(self, cols, zeros_with_rows):
         return {
-            "momentum_fp8": _like_rows(param, cols, torch.uint8),
-            "momentum_exp": _like_rows(param, self._blocks(cols), torch.int8),
-            "step": torch.zeros((), dtype=torch.int64),
+            "momentum_fp8": zeros_with_rows(cols, torch.uint8),
+            "momentum_exp": zeros_with_rows(self._blocks(cols), torch.int8),
+            "step": _new_step(),
         }
 
     def load(self, state):
-        codes, exps = local_shard(_heal(state, "momentum_fp8", torch.uint8)), local_shard(_heal(state, "momentum_exp", torch.int8))
-        m = codes.view(FP8).float()
-        for block, e in zip(_column_blocks(m, self.block_cols), exps.unbind(1)):
-            block.mul_(_pow2(e).unsqueeze(-1))
-        return m
+        codes = local_shard(_heal(state, "momentum_fp8", torch.uint8))
+        exps = local_shard(_heal(state, "momentum_exp", torch.int8))
+        return decode_fp8(codes, exps, self.block_cols)
 
-    def store(self, state, momentum, stream=0, first_row=None):
+    def store(self, state, momentum, stream=0, *, first_row=None):
         codes, exps_state = _heal(state, "momentum_fp8", torch.uint8), _heal(state, "momentum_exp", torch.int8)
         _check_shape(momentum, local_shard(codes))
+        first_row = _first_row(codes, first_row)
         state["step"] += 1
-        blocks = _column_blocks(momentum, self.block_cols)
-        amax = torch.stack([b.abs().amax(dim=-1) for b in blocks], dim=1) if blocks else momentum.new_empty(momentum.shape[0], 0)
-        exps = _scale_exponent(amax)
-        scaled = torch.empty_like(momentum)
-        for src, dst, e in zip(blocks, _column_blocks(scaled, self.block_cols), exps.unbind(1)):
-            torch.mul(src, _pow2(-e).unsqueeze(-1), out=dst)
+        exps = scale_exponents(momentum, self.block_cols)
         if self.rounding == "stochastic":
-            # fp32 has 23 mantissa bits, e4m3 has 3: round the 20 dropped bits stochastically;
-            # the result is then exact in e4m3 (except for its subnormals, which round to nearest).
-            _round_bits_(scaled, _noise(int(state["step"]), stream, codes, 20, first_row), 20)
-        local_shard(codes).copy_(scaled.to(FP8).view(torch.uint8))
+            # fp32 has 23 mantissa bits, e4m3 has 3: round the 20 dropped bits stochastically.
+            # Done before scaling, which is exact and moves only the exponent: the result is
+            # then exact in e4m3 (except for its subnormals, which round to nearest in the cast).
+            noise = rounding_noise(state["step"], stream, first_row, momentum.shape, 20, momentum.device)
+            scaled = stochastic_round_(noise, momentum, 20).view(torch.float32)
+            for part, e in zip(column_blocks(scaled, self.block_cols), _split_like(exps, scaled, self.block_cols)):
+                part.mul_(pow2(-e).unsqueeze(-1))
+        else:
+            scaled = torch.empty_like(momentum)
+            blocks = zip(column_blocks(momentum, self.block_cols), column_blocks(scaled, self.block_cols), _split_like(exps, scaled, self.block_cols))
+            for src, dst, e in blocks:
+                torch.mul(src, pow2(-e).unsqueeze(-1), out=dst)
+        local_shard(codes).view(FP8).copy_(scaled)
         local_shard(exps_state).copy_(exps)
 
     def bytes_per_element(self, rows, cols):
         return 1.0 + self._blocks(cols) / cols + 8.0 / (rows * cols)
+
+
+# ----------------------------------------------------------------------------- fp8 blocks
+
+
+def column_blocks(x: Tensor, block_cols: int) -> list[Tensor]:
+    """x (rows, cols) as at most two views (rows, blocks, width): the whole blocks, then the ragged last one."""
+    rows, cols = x.shape
+    whole = cols - cols % block_cols
+    parts = []
+    if whole:
+        parts.append(x[:, :whole].unflatten(1, (whole // block_cols, block_cols)))
+    if whole < cols:
+        parts.append(x[:, whole:].unsqueeze(1))
+    return parts
+
+
+def _split_like(exps: Tensor, x: Tensor, block_cols: int) -> tuple[Tensor, ...]:
+    """Per-block exponents (rows, blocks) split to match ``column_blocks(x)``."""
+    return exps.split([part.shape[1] for part in column_blocks(x, block_cols)], dim=1)
+
+
+def scale_exponents(x: Tensor, block_cols: int) -> Tensor:
+    """int8 (rows, blocks): per block, the smallest-loss e with max|x| / 2**e <= 448.
+
+    The block maximum lands in (224, 448]; a block holding Inf/NaN gets NONFINITE_EXP.
+    """
+    parts = column_blocks(x, block_cols)
+    if not parts:
+        return torch.zeros(x.shape[0], 0, dtype=torch.int8, device=x.device)
+    amax = torch.cat([torch.maximum(p.amax(dim=-1), p.amin(dim=-1).neg_()) for p in parts], dim=1)
+    mantissa, exponent = torch.frexp(amax)  # amax = mantissa * 2**exponent, mantissa in [0.5, 1)
+    headroom = torch.where(mantissa <= FP8_MAX / 512, 9, 8)  # mantissa * 2**9 <= 448 iff mantissa <= 0.875
+    e = (exponent - headroom).clamp_(-126, 120)  # finite fp32 amax < 2**128: e <= 120 already
+    return torch.where(torch.isfinite(amax), e, NONFINITE_EXP).to(torch.int8)
+
+
+def decode_fp8(codes: Tensor, exps: Tensor, block_cols: int) -> Tensor:
+    """fp32 values of e4m3fn ``codes`` (uint8, rows x cols) times 2**exps per block.
+
+    Built from the bits (torch's own fp8 cast is scalar code on CPU): sign and the 7 exponent
+    and mantissa bits go to the top of an fp32 word, which then reads as the e4m3 value times
+    2**-120 (e4m3 subnormals become fp32 subnormals, so this is exact for every code); one
+    multiply restores 2**120 and one the block scale. A block marked NONFINITE_EXP reads NaN.
+    """
+    out = torch.empty(codes.shape, dtype=torch.float32, device=codes.device)
+    bits = out.view(torch.int32)
+    bits.copy_(codes.view(torch.int8))  # sign-extended: bits 7..31 all hold the sign
+    bits.bitwise_left_shift_(20).bitwise_and_(_i32(0x87F00000))  # sign | code bits 0..6 at 20..26
+    out.mul_(2.0**120)
+    scale = torch.where(exps == NONFINITE_EXP, torch.nan, pow2(exps))
+    for part, s in zip(column_blocks(out, block_cols), _split_like(scale, out, block_cols)):
+        part.mul_(s.unsqueeze(-1))
+    return out
+
+
+def pow2(e: Tensor) -> Tensor:
+    """2**e as float32, built from the exponent bits (exact; e in [-126, 127])."""
+    return ((e.to(torch.int32) + 127) << 23).view(torch.float32)
+
+
+# ----------------------------------------------------------------------------- stochastic rounding
+
+
+def stochastic_round_(noise: Tensor, x: Tensor, bits: int) -> Tensor:
+    """In place on ``noise`` (int32 in [0, 2**bits)): the bits of fp32 ``x`` with the low ``bits`` mantissa bits rounded away stochastically.
+
+    Adding uniform noise to the magnitude bits and truncating rounds up with probability
+    equal to the dropped fraction, for either sign; a carry into the exponent is the correct
+    next binade. Returns ``noise``, now int32 bits to view as float32.
+    """
+    return noise.add_(x.view(torch.int32)).bitwise_and_(-(1 << bits))
+
+
+def rounding_noise(step: Tensor | int, stream: int, first_row: int, shape: tuple[int, int], bits: int, device) -> Tensor:
+    """int32 (rows, cols) uniform in [0, 2**bits): a hash of (step, stream, global row, column).
+
+    Element (i, j) of the result belongs to global row ``first_row + i``, column j; nothing
+    else enters, so any split of the rows gives each row the same noise. A 32-bit seed is
+    hashed from (step, stream); each row and each column gets a key hashed from its index and
+    the seed (O(rows + cols) work); each element mixes row key XOR column key with two
+    multiply / fold-high-half rounds, which removes the XOR structure (tests/test_state.py
+    measures it). ``step`` may be a tensor on any device: it is never read on the host.
+    """
+    rows, cols = shape
+    seed = _hash32(torch.as_tensor(step).to(torch.int32) ^ _i32(lowbias32(stream & U32)))
+    row_key = _hash32(torch.arange(first_row, first_row + rows, dtype=torch.int32, device=device) ^ seed)
+    # COLUMN_SALT has bit 31 set and indices are < 2**31: a row and a column never hash the same input
+    col_key = _hash32(torch.arange(cols, dtype=torch.int32, device=device) ^ (seed ^ COLUMN_SALT))
+    x = torch.bitwise_xor(row_key.unsqueeze(1), col_key)  # (rows, cols)
+    x.mul_(MIX_A)
+    _fold_high_half_(x)
+    x.mul_(MIX_B)
+    _fold_high_half_(x)
+    return x.bitwise_and_((1 << bits) - 1)
+
+
+# lowbias32 (Chris Wellons, hash-prospector): x ^= x >> 16; x *= A; x ^= x >> 15; x *= B; x ^= x >> 16
+U32 = 0xFFFFFFFF
+MIX_A, MIX_B = 0x7FEB352D, 0x846CA68B - (1 << 32)  # as signed int32: tensor products wrap mod 2**32
+COLUMN_SALT = 0x9E3779B9 - (1 << 32)
+_LOW_HALF = 0 if sys.byteorder == "little" else 1
+
+
+def lowbias32(x: int) -> int:
+    """lowbias32 of a Python int in [0, 2**32)."""
+    x ^= x >> 16
+    x = x * MIX_A & U32
+    x ^= x >> 15
+    x = x * (MIX_B & U32) & U32
+    return x ^ (x >> 16)
+
+
+def _hash32(x: Tensor) -> Tensor:
+    """lowbias32 on int32 bit patterns (logical shifts as arithmetic shift then mask)."""
+    x = x ^ ((x >> 16) & 0xFFFF)
+    x = x * MIX_A
+    x = x ^ ((x >> 15) & 0x1FFFF)
+    x = x * MIX_B
+    return x ^ ((x >> 16) & 0xFFFF)
+
+
+def _fold_high_half_(x: Tensor) -> None:
+    """In place on int32 x: x ^= x >> 16 (logical), as an XOR of int16 halves, with no temporary."""
+    halves = x.view(torch.int16).view(*x.shape, 2)
+    halves[..., _LOW_HALF].bitwise_xor_(halves[..., 1 - _LOW_HALF])
+
+
+def _i32(value: int) -> int:
+    """An unsigned 32-bit constant as the signed int32 with the same bits."""
+    return value - (1 << 32) if value >= 1 << 31 else value
+
+
+def _new_step() -> Tensor:
+    """The stochastic-rounding step counter: a CPU int64 scalar, so reading it never syncs a device."""
+    return torch.zeros((), dtype=torch.int64)
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -213,6 +370,16 @@ def _check_shape(momentum: Tensor, local: Tensor) -> None:
             f"momentum to store has shape {tuple(momentum.shape)} and dtype {momentum.dtype}; "
             f"expected the local rows {tuple(local.shape)} in torch.float32"
         )
+
+
+def _first_row(t: Tensor, first_row: int | None) -> int:
+    if first_row is None:
+        return _row_offset(t)
+    if isinstance(t, DTensor):
+        raise ValueError("first_row is for plain-tensor momentum blocks; a DTensor state knows its rows")
+    if not (isinstance(first_row, int) and first_row >= 0):
+        raise ValueError(f"first_row must be a non-negative int, got {first_row!r}")
+    return first_row
 
 
 def _shard_dim(t: DTensor) -> int | None:
@@ -257,65 +424,3 @@ def _heal(state: dict, key: str, dtype: torch.dtype) -> Tensor:
     if state[key].dtype != dtype:
         state[key] = state[key].to(dtype)
     return state[key]
-
-
-def _column_blocks(x: Tensor, block_cols: int) -> list[Tensor]:
-    """Views (rows, block) of x's column blocks, the last one possibly narrower."""
-    return list(x.split(block_cols, dim=1))
-
-
-def _pow2(e: Tensor) -> Tensor:
-    """2**e as float32, built from the exponent bits (exact; e in [-126, 127])."""
-    return ((e.to(torch.int32) + 127) << 23).view(torch.float32)
-
-
-def _scale_exponent(amax: Tensor) -> Tensor:
-    """Smallest-loss e with amax / 2**e <= 448: the block maximum lands in (224, 448]."""
-    mantissa, exponent = torch.frexp(amax)  # amax = mantissa * 2**exponent, mantissa in [0.5, 1)
-    headroom = torch.where(mantissa <= FP8_MAX / 512, 9, 8)  # mantissa * 2**9 <= 448 iff mantissa <= 0.875
-    return (exponent - headroom).clamp_(-126, 127).to(torch.int8)
-
-
-def _round_bits_(x: Tensor, noise: Tensor, bits: int) -> Tensor:
-    """In place: stochastically round away the low `bits` mantissa bits of fp32 x (noise: int32 in [0, 2**bits)).
-
-    Adding uniform noise to the magnitude bits and truncating rounds up with probability
-    equal to the dropped fraction; a carry into the exponent is the correct next binade.
-    """
-    x.view(torch.int32).add_(noise).bitwise_and_(-(1 << bits))
-    return x
-
-
-def _noise(step: int, stream: int, like: Tensor, bits: int, first_row: int | None = None) -> Tensor:
-    """Uniform int32 noise in [0, 2**bits) for the local rows of `like`, a function of global rows only.
-
-    Global rows are grouped NOISE_ELEMENTS at a time (the group size depends only on the
-    column count); each group has its own generator seeded from (step, stream, group). A shard
-    draws the groups its rows touch and keeps its rows, so any row split sees the same noise.
-    """
-    rows, cols = local_shard(like).shape
-    global_rows = like.shape[0]
-    out = torch.empty(rows, cols, dtype=torch.int32)
-    if rows == 0:
-        return out.to(like.device)
-    first = _row_offset(like) if first_row is None else first_row
-    per_group = max(1, NOISE_ELEMENTS // cols)
-    generator = torch.Generator()
-    for group in range(first // per_group, (first + rows - 1) // per_group + 1):
-        generator.manual_seed(_mix(step, stream, group))
-        g0 = group * per_group
-        size = (min(per_group, global_rows - g0), cols)
-        noise = torch.randint(0, 1 << bits, size, dtype=torch.int32, generator=generator)
-        lo, hi = max(g0, first), min(g0 + per_group, first + rows)
-        out[lo - first : hi - first] = noise[lo - g0 : hi - g0]
-    return out.to(like.device)
-
-
-def _mix(*values: int) -> int:
-    """A 63-bit seed from integers (splitmix64 finalizer, chained)."""
-    h = 0x9E3779B97F4A7C15
-    for v in values:
-        h = (h ^ (v & 0xFFFFFFFFFFFFFFFF)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
-        h = (h ^ (h >> 27)) * 0x94D049BB133111EB & 0xFFFFFFFFFFFFFFFF
-        h ^= h >> 31
-    return h >> 1
