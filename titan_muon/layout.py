@@ -161,13 +161,7 @@ class Sharding:
 
     def box(self, rank: int) -> Box:
         """The block rank `rank` holds (possibly empty)."""
-        box = list(self.whole_box)
-        coordinate = self.grid.coordinates[rank]
-        for op in self.ops:
-            lo, hi = box[op.dim]
-            start, stop = chunk_range(hi - lo, op.parts, coordinate[op.mesh_dim])
-            box[op.dim] = (lo + start, lo + stop)
-        return tuple(box)
+        return _apply(self.whole_box, self.ops, self.grid.coordinates[rank])
 
     def holders(self, region: Box) -> Iterator[tuple[int, Box]]:
         """(rank, intersection) for every rank that holds a non-empty part of `region`."""
@@ -191,6 +185,21 @@ class Sharding:
                 yield from walk(depth + 1, inner, coordinate + (index,))
 
         yield from walk(0, list(self.whole_box), ())
+
+
+def _apply(whole: Box, ops: Sequence[ShardOp], coordinate: Sequence[int]) -> Box:
+    box = list(whole)
+    for op in ops:
+        lo, hi = box[op.dim]
+        start, stop = chunk_range(hi - lo, op.parts, coordinate[op.mesh_dim])
+        box[op.dim] = (lo + start, lo + stop)
+    return tuple(box)
+
+
+def local_block(shape: Sequence[int], placements: Sequence[Placement], mesh_shape: Sequence[int], coordinate: Sequence[int]) -> Box:
+    """The (matrices, rows, cols) block that the rank at mesh `coordinate` holds of a DTensor."""
+    stack = as_stack_shape(shape)
+    return _apply(tuple((0, n) for n in stack), shard_ops(placements, mesh_shape, len(shape)), coordinate)
 
 
 def replicated(shape: Sequence[int]) -> Sharding:

@@ -576,7 +576,8 @@ class Muon(Optimizer):
             self.storage.store(self.state[p], momentum, stream=entry.index)
         for u, new in work.owner_momentum:
             unit = self.plan.units[u]
-            self.storage.store(self._owner_momentum[u], new, stream=unit.param, first_row=unit.row_start)
+            first_row = unit.matrix * self._muon_params[unit.param].param.shape[-2] + unit.row_start
+            self.storage.store(self._owner_momentum[u], new, stream=unit.param, first_row=first_row)
         by_group: dict[tuple, tuple[list[Tensor], list[Tensor]]] = defaultdict(lambda: ([], []))
         for entry, target, update in work.updates:
             targets, updates = by_group[(entry.group_index, target.dtype)]

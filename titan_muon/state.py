@@ -23,12 +23,14 @@ with no host reads. See docs/fp8_momentum.md.
 
 from __future__ import annotations
 
+import math
 import sys
 
 import torch
 from torch import Tensor
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor
 
+from titan_muon.layout import Box, local_block
 from titan_muon.update import local_shard
 
 MOMENTUM_DTYPES = ("fp32", "bf16", "fp8")
@@ -71,9 +73,10 @@ class MomentumStorage:
     keys: tuple[str, ...]
 
     def create(self, param: Tensor) -> dict[str, Tensor]:
-        """Zero state for ``param`` (a 2-D tensor, or a DTensor with Shard(0)/Replicate placements)."""
+        """Zero state for ``param``: a 2-D matrix or a 3-D stack of matrices (MoE experts), plain
+        or a DTensor whose placements give each rank one block (FSDP, TP, EP; see layout.py)."""
         _check_param(param)
-        return self._zeros(param.shape[1], lambda cols, dtype: _like_rows(param, cols, dtype))
+        return self._zeros(param.shape[-1], lambda cols, dtype: _like_param(param, cols, dtype, self._local_columns))
 
     def create_block(self, rows: int, cols: int, device: torch.device | str) -> dict[str, Tensor]:
         """Zero state of plain tensors for a (rows, cols) block of rows held by one rank.
@@ -106,6 +109,13 @@ class MomentumStorage:
     def _zeros(self, cols: int, zeros_with_rows) -> dict[str, Tensor]:
         """The state dict; ``zeros_with_rows(cols, dtype)`` makes a zero tensor with the rows."""
         raise NotImplementedError
+
+    def _local_columns(self, width: int, cols: int, col_range: tuple[int, int]) -> tuple[int, int]:
+        """Columns [start, stop) of a state tensor `width` wide that a rank holds when its
+        parameter block spans columns `col_range` of `cols`: the parameter's own by default."""
+        if width != cols:
+            raise ValueError(f"state of width {width} for a parameter of {cols} columns")
+        return col_range
 
 
 class Fp32Storage(MomentumStorage):
@@ -150,11 +160,12 @@ class Bf16Storage(MomentumStorage):
         if self.rounding == "nearest":
             local_shard(buf).copy_(momentum)
             return
-        first_row = _first_row(buf, first_row)
+        rows, cols = _global_ids(buf, first_row)
         state["step"] += 1
-        noise = rounding_noise(state["step"], stream, first_row, momentum.shape, 16, momentum.device)
+        flat = momentum.reshape(-1, momentum.shape[-1])
+        noise = rounding_noise_at(state["step"], stream, rows, cols, 16)
         # low 16 bits cleared: the copy to bf16 is exact
-        local_shard(buf).copy_(stochastic_round_(noise, momentum, 16).view(torch.float32))
+        local_shard(buf).copy_(stochastic_round_(noise, flat, 16).view(torch.float32).view(momentum.shape))
 
     def bytes_per_element(self, rows, cols):
         return 2.0 + (8.0 / (rows * cols) if self.rounding == "stochastic" else 0.0)
@@ -187,22 +198,36 @@ class Fp8Storage(MomentumStorage):
             "step": _new_step(),
         }
 
+    def _local_columns(self, width, cols, col_range):
+        if width == cols:
+            return col_range
+        start, stop = col_range  # exponents: one per block of block_cols columns of the whole matrix
+        if start % self.block_cols or (stop % self.block_cols and stop != cols):
+            raise ValueError(
+                f"fp8 momentum: a rank holds columns [{start}, {stop}) of {cols}, which cut its {self.block_cols}-column "
+                "scale blocks; with column (tensor-parallel row-wise) sharding every shard must start and end on a "
+                "block boundary — use momentum_dtype 'bf16' or 'fp32' for this model"
+            )
+        return start // self.block_cols, -(-stop // self.block_cols)
+
     def load(self, state):
         codes = local_shard(_heal(state, "momentum_fp8", torch.uint8))
         exps = local_shard(_heal(state, "momentum_exp", torch.int8))
-        return decode_fp8(codes, exps, self.block_cols)
+        flat = decode_fp8(codes.reshape(-1, codes.shape[-1]), exps.reshape(-1, exps.shape[-1]), self.block_cols)
+        return flat.view(codes.shape)
 
     def store(self, state, momentum, stream=0, *, first_row=None):
         codes, exps_state = _heal(state, "momentum_fp8", torch.uint8), _heal(state, "momentum_exp", torch.int8)
         _check_shape(momentum, local_shard(codes))
-        first_row = _first_row(codes, first_row)
+        rows, cols = _global_ids(codes, first_row)
         state["step"] += 1
+        momentum = momentum.reshape(-1, momentum.shape[-1])
         exps = scale_exponents(momentum, self.block_cols)
         if self.rounding == "stochastic":
             # fp32 has 23 mantissa bits, e4m3 has 3: round the 20 dropped bits stochastically.
             # Done before scaling, which is exact and moves only the exponent: the result is
             # then exact in e4m3 (except for its subnormals, which round to nearest in the cast).
-            noise = rounding_noise(state["step"], stream, first_row, momentum.shape, 20, momentum.device)
+            noise = rounding_noise_at(state["step"], stream, rows, cols, 20)
             scaled = stochastic_round_(noise, momentum, 20).view(torch.float32)
             for part, e in zip(column_blocks(scaled, self.block_cols), _split_like(exps, scaled, self.block_cols)):
                 part.mul_(pow2(-e).unsqueeze(-1))
@@ -211,8 +236,8 @@ class Fp8Storage(MomentumStorage):
             blocks = zip(column_blocks(momentum, self.block_cols), column_blocks(scaled, self.block_cols), _split_like(exps, scaled, self.block_cols))
             for src, dst, e in blocks:
                 torch.mul(src, pow2(-e).unsqueeze(-1), out=dst)
-        local_shard(codes).view(FP8).copy_(scaled)
-        local_shard(exps_state).copy_(exps)
+        local_shard(codes).view(FP8).copy_(scaled.view(local_shard(codes).shape))
+        local_shard(exps_state).copy_(exps.view(local_shard(exps_state).shape))
 
     def bytes_per_element(self, rows, cols):
         return 1.0 + self._blocks(cols) / cols + 8.0 / (rows * cols)
@@ -301,10 +326,16 @@ def rounding_noise(step: Tensor | int, stream: int, first_row: int, shape: tuple
     measures it). ``step`` may be a tensor on any device: it is never read on the host.
     """
     rows, cols = shape
+    row_ids = torch.arange(first_row, first_row + rows, dtype=torch.int32, device=device)
+    return rounding_noise_at(step, stream, row_ids, torch.arange(cols, dtype=torch.int32, device=device), bits)
+
+
+def rounding_noise_at(step: Tensor | int, stream: int, row_ids: Tensor, col_ids: Tensor, bits: int) -> Tensor:
+    """:func:`rounding_noise` for the rows and columns with global indices `row_ids`, `col_ids` (int32 device tensors)."""
     seed = _hash32(torch.as_tensor(step).to(torch.int32) ^ _i32(lowbias32(stream & U32)))
-    row_key = _hash32(torch.arange(first_row, first_row + rows, dtype=torch.int32, device=device) ^ seed)
+    row_key = _hash32(row_ids ^ seed)
     # COLUMN_SALT has bit 31 set and indices are < 2**31: a row and a column never hash the same input
-    col_key = _hash32(torch.arange(cols, dtype=torch.int32, device=device) ^ (seed ^ COLUMN_SALT))
+    col_key = _hash32(col_ids ^ (seed ^ COLUMN_SALT))
     x = torch.bitwise_xor(row_key.unsqueeze(1), col_key)  # (rows, cols)
     x.mul_(MIX_A)
     _fold_high_half_(x)
@@ -358,10 +389,10 @@ def _new_step() -> Tensor:
 
 
 def _check_param(param: Tensor) -> None:
-    if param.ndim != 2:
-        raise ValueError(f"momentum storage takes 2-D (Muon) parameters, got shape {tuple(param.shape)}")
+    if param.ndim not in (2, 3):
+        raise ValueError(f"momentum storage takes 2-D (Muon) parameters or 3-D stacks of them, got shape {tuple(param.shape)}")
     if isinstance(param, DTensor):
-        _shard_dim(param)
+        _block(param)
 
 
 def _check_shape(momentum: Tensor, local: Tensor) -> None:
@@ -372,46 +403,57 @@ def _check_shape(momentum: Tensor, local: Tensor) -> None:
         )
 
 
-def _first_row(t: Tensor, first_row: int | None) -> int:
-    if first_row is None:
-        return _row_offset(t)
-    if isinstance(t, DTensor):
-        raise ValueError("first_row is for plain-tensor momentum blocks; a DTensor state knows its rows")
-    if not (isinstance(first_row, int) and first_row >= 0):
-        raise ValueError(f"first_row must be a non-negative int, got {first_row!r}")
-    return first_row
+def _block(t: DTensor) -> Box:
+    """The (matrices, rows, cols) block of the stack this rank holds (layout.py)."""
+    try:
+        return local_block(t.shape, t.placements, t.device_mesh.mesh.shape, t.device_mesh.get_coordinate())
+    except NotImplementedError as error:
+        raise ValueError(f"momentum storage: {error}") from error
 
 
-def _shard_dim(t: DTensor) -> int | None:
-    """The mesh dimension over which t's rows are split (None if replicated everywhere)."""
-    sharded = [d for d, p in enumerate(t.placements) if not isinstance(p, Replicate)]
-    if len(sharded) > 1 or (sharded and t.placements[sharded[0]] != Shard(0)):
-        raise ValueError(
-            f"momentum storage supports Shard(0) on one mesh dimension with Replicate elsewhere; "
-            f"got placements {t.placements}"
-        )
-    return sharded[0] if sharded else None
-
-
-def _like_rows(param: Tensor, cols: int, dtype: torch.dtype) -> Tensor:
-    """Zeros with param's rows (and row split) and `cols` columns."""
-    local = torch.zeros(local_shard(param).shape[0], cols, dtype=dtype, device=param.device)
-    if not isinstance(param, DTensor):
-        return local
-    return DTensor.from_local(
-        local, param.device_mesh, param.placements, run_check=False, shape=(param.shape[0], cols), stride=(cols, 1)
-    )
-
-
-def _row_offset(t: Tensor) -> int:
-    """Global index of the first local row (torch.chunk split, like FSDP2)."""
+def _global_ids(t: Tensor, first_row: int | None) -> tuple[Tensor, Tensor]:
+    """int32 device tensors: the global row of each local row (matrices flattened into rows:
+    row r of matrix m is m·rows + r) and the global column of each local column."""
+    local = local_shard(t)
+    device = local.device
+    if first_row is not None:
+        if isinstance(t, DTensor):
+            raise ValueError("first_row is for plain-tensor momentum blocks; a DTensor state knows its rows")
+        if not (isinstance(first_row, int) and first_row >= 0):
+            raise ValueError(f"first_row must be a non-negative int, got {first_row!r}")
     if not isinstance(t, DTensor):
-        return 0
-    dim = _shard_dim(t)
-    if dim is None:
-        return 0
-    chunk = -(-t.shape[0] // t.device_mesh.size(dim))
-    return min(t.device_mesh.get_local_rank(dim) * chunk, t.shape[0])
+        start = first_row or 0
+        rows = torch.arange(start, start + math.prod(local.shape[:-1]), dtype=torch.int32, device=device)
+        return rows, torch.arange(local.shape[-1], dtype=torch.int32, device=device)
+    (m0, m1), (r0, r1), (c0, c1) = _block(t)
+    per_matrix = t.shape[-2]
+    rows = torch.arange(m0, m1, dtype=torch.int32, device=device).unsqueeze(1) * per_matrix
+    rows = (rows + torch.arange(r0, r1, dtype=torch.int32, device=device)).reshape(-1)
+    return rows, torch.arange(c0, c1, dtype=torch.int32, device=device)
+
+
+def _like_param(param: Tensor, width: int, dtype: torch.dtype, local_columns) -> Tensor:
+    """Zeros laid out like ``param`` (same placements), with `width` columns instead of its own.
+
+    ``local_columns(width, cols, col_range)`` gives the state columns [start, stop) a rank
+    holds when its parameter block spans columns `col_range`; DTensor's own split of `width`
+    columns must agree, or DCP would put them elsewhere on another layout.
+    """
+    cols = param.shape[-1]
+    if not isinstance(param, DTensor):
+        start, stop = local_columns(width, cols, (0, cols))
+        return torch.zeros(*param.shape[:-1], stop - start, dtype=dtype, device=param.device)
+    start, stop = local_columns(width, cols, _block(param)[2])
+    shape = (*param.shape[:-1], width)
+    mesh = param.device_mesh
+    if local_block(shape, param.placements, mesh.mesh.shape, mesh.get_coordinate())[2] != (start, stop):
+        raise ValueError(
+            f"momentum storage: state columns [{start}, {stop}) of {width} do not match the parameter's column split "
+            f"{param.placements}; use momentum_dtype 'bf16' or 'fp32' for this layout"
+        )
+    local = torch.zeros(*local_shard(param).shape[:-1], stop - start, dtype=dtype, device=param.device)
+    stride = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
+    return DTensor.from_local(local, mesh, param.placements, run_check=False, shape=shape, stride=stride)
 
 
 def _heal(state: dict, key: str, dtype: torch.dtype) -> Tensor:
