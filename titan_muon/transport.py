@@ -106,7 +106,7 @@ def cached_group(cache: dict[tuple[int, ...], dist.ProcessGroup], ranks: tuple[i
     if group is not None:
         try:
             dist.get_process_group_ranks(group)
-        except (ValueError, RuntimeError):
+        except (KeyError, ValueError, RuntimeError):  # not a group of the current world any more
             group = None
     if group is None:
         group = cache[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
