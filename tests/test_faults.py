@@ -182,15 +182,13 @@ def test_disk_full_while_saving_keeps_the_previous_checkpoint(reference, workdir
 @pytest.mark.timeout(120)
 def test_torchrun_shared_store_breaks_gloo_restarts():
     """The root cause of the failed restarts, in plain torch (scripts/fault_gloo_restart.py):
-    torchrun's shared store keeps the dead workers' gloo addresses; a fresh store per restart works."""
+    torchrun's shared store still holds the dead workers' gloo addresses after a restart.
+    (The fix, a fresh store per restart, is what the kill -9 test above runs with.)"""
     script = str(REPO_ROOT / "scripts" / "fault_gloo_restart.py")
     shared = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=100)
     assert shared.returncode != 0
     assert "attempt 1 rank 0: store holds ['default_pg/0//cpu//0/0', 'default_pg/0//cpu//0/1']" in shared.stdout
     assert "Connection refused" in shared.stdout
-    fresh = subprocess.run([sys.executable, script, "--fresh"], capture_output=True, text=True, timeout=100)
-    assert fresh.returncode == 0, fresh.stdout
-    assert "attempt 1 rank 0: group formed, all_reduce = 2.0" in fresh.stdout
 
 
 def test_restarts_over_a_shared_store_are_refused_before_training():
