@@ -9,13 +9,17 @@
 #
 # Multi-node: run the same command on every node with
 #   torchrun --nnodes N --nproc-per-node G --rdzv-backend c10d --rdzv-endpoint HOST:PORT --rdzv-id JOB ...
-# (see docs/torchtitan.md).
+# (see docs/torchtitan.md). Automatic restarts: TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --max-restarts 3 ...
+# (see docs/reliability.md).
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
 CONFIG=${CONFIG:-train_configs/llama3_gqa_muon.toml}
 NPROC=${NPROC:-2}
 DUMP=${DUMP:-./outputs/$(basename "$CONFIG" .toml)}
+# A fresh rendezvous store per restart: torch 2.13's shared one breaks torchrun --max-restarts
+# (docs/reliability.md); rank 0 then hosts the store, as torch 2.4 did.
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
 
 torchrun --standalone --nproc-per-node "$NPROC" --local-ranks-filter 0 \
     -m titan_muon.train --job.config_file "$CONFIG" --job.dump_folder "$DUMP" "$@"

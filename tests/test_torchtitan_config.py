@@ -10,7 +10,7 @@ from torchtitan.config import ConfigManager
 from torchtitan.models.llama3 import Transformer
 
 import titan_muon.torchtitan  # noqa: F401  (registers specs and datasets)
-from titan_muon.torchtitan.checkpoint import CheckpointError, checkpoint_to_resume
+from titan_muon.torchtitan.checkpoint import CheckpointError, checkpoint_to_resume, interrupted_saves
 from titan_muon.torchtitan.config import validate_optimizer_config
 from titan_muon.torchtitan.data import ensure_offline_tokenizer, read_text_files
 from titan_muon.torchtitan.metrics import optimizer_metrics
@@ -134,15 +134,18 @@ def test_offline_tokenizer_is_deterministic_and_cached(tmp_path):
     assert os.path.getmtime(first / "tokenizer.json") == stamp
 
 
-def test_incomplete_newest_checkpoint_is_refused(tmp_path):
+def test_incomplete_newest_checkpoint_is_skipped_but_named(tmp_path):
     for step, complete in ((10, True), (20, True), (30, False)):
         (tmp_path / f"step-{step}").mkdir()
         if complete:
             (tmp_path / f"step-{step}" / ".metadata").write_bytes(b"")
+    assert checkpoint_to_resume(str(tmp_path), load_step=-1) == (20, str(tmp_path / "step-20"))
+    assert interrupted_saves(str(tmp_path), resume_step=20) == [str(tmp_path / "step-30")]
     with pytest.raises(CheckpointError, match="step-30 is incomplete"):
-        checkpoint_to_resume(str(tmp_path), load_step=-1)
+        checkpoint_to_resume(str(tmp_path), load_step=30)  # asked for by name: refused
     assert checkpoint_to_resume(str(tmp_path), load_step=20) == (20, str(tmp_path / "step-20"))
     (tmp_path / "step-30").rmdir()
     (tmp_path / "step-5").mkdir()  # an older leftover (say, an interrupted purge) is ignored
     assert checkpoint_to_resume(str(tmp_path), load_step=-1) == (20, str(tmp_path / "step-20"))
+    assert interrupted_saves(str(tmp_path), resume_step=20) == []
     assert checkpoint_to_resume(str(tmp_path / "absent"), load_step=-1) is None

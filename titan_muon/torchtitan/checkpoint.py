@@ -1,12 +1,19 @@
 """Check the checkpoint a run is about to resume from, before torchtitan loads it.
 
-torchtitan 0.2.2 resumes from the newest ``step-N`` folder that has a ``.metadata`` file:
-a save interrupted before writing it is skipped without a word (a silent restart from an
-older step, or from scratch), a truncated shard fails deep inside DCP, and a checkpoint
-written under another optimizer setup fails with a bare "Missing key". This module reads
-only the DCP metadata and the file sizes, and raises one error that names the folder,
-what is wrong and what to do. Bit flips inside a shard cannot be seen: DCP stores no
-checksums.
+torchtitan 0.2.2 resumes from the newest ``step-N`` folder that has a ``.metadata`` file
+(DCP writes it last, after every rank's shards): a save interrupted before writing it is
+skipped without a word, a truncated shard fails deep inside DCP, and a checkpoint written
+under another optimizer setup fails with a bare "Missing key". This module reads only the
+DCP metadata and the file sizes, before anything is loaded:
+
+* interrupted saves newer than the checkpoint torchtitan picks are named in a warning, so
+  an automatic restart (torchrun ``--max-restarts``) resumes from the previous complete
+  step and says so; an interrupted ``--checkpoint.load_step`` or
+  ``--checkpoint.initial_load_path`` is refused;
+* a missing or truncated shard, or a checkpoint that does not fit this model or this
+  optimizer setup, raises one error naming the folder, what is wrong and what to do.
+
+Bit flips inside a shard cannot be seen: DCP stores no checksums.
 """
 
 import os
@@ -16,7 +23,9 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torchtitan.tools.logging import logger
 
 _STEP_DIR = re.compile(r"step-(\d+)$")
 
@@ -25,29 +34,47 @@ class CheckpointError(RuntimeError):
     pass
 
 
-def checkpoint_to_resume(folder: str, load_step: int) -> tuple[int, str] | None:
-    """``(step, path)`` of the folder torchtitan will load, refusing incomplete newer ones."""
+def step_folders(folder: str) -> dict[int, str]:
+    """``{step: path}`` of the ``step-N`` folders in ``folder`` (none if it does not exist)."""
     if not os.path.isdir(folder):
-        return None
-    steps = {int(m.group(1)): os.path.join(folder, name) for name in os.listdir(folder) if (m := _STEP_DIR.match(name))}
-    complete = [step for step, path in steps.items() if os.path.isfile(os.path.join(path, ".metadata"))]
+        return {}
+    return {int(m.group(1)): os.path.join(folder, name) for name in os.listdir(folder) if (m := _STEP_DIR.match(name))}
+
+
+def is_complete(path: str) -> bool:
+    """As torchtitan decides it: DCP's ``.metadata``, or the index of a Hugging Face save."""
+    return any(os.path.isfile(os.path.join(path, name)) for name in (".metadata", "model.safetensors.index.json"))
+
+
+def checkpoint_to_resume(folder: str, load_step: int) -> tuple[int, str] | None:
+    """``(step, path)`` of the folder torchtitan will load; an incomplete ``load_step`` is refused."""
+    steps = step_folders(folder)
     if load_step != -1:
         if load_step not in steps:
             return None  # torchtitan reports the missing folder itself
-        if load_step not in complete:
-            raise CheckpointError(f"checkpoint {steps[load_step]} is incomplete: it has no .metadata file")
+        if not is_complete(steps[load_step]):
+            raise CheckpointError(
+                f"checkpoint {steps[load_step]} is incomplete: it has no .metadata file (was its save "
+                "interrupted?). Choose another --checkpoint.load_step."
+            )
         return load_step, steps[load_step]
-    newest_complete = max(complete, default=-1)
-    newer_incomplete = sorted(step for step in steps if step > newest_complete)
-    if newer_incomplete:
-        older = f"step-{newest_complete}" if newest_complete >= 0 else "scratch"
-        raise CheckpointError(
-            f"checkpoint {steps[newer_incomplete[-1]]} is incomplete (no .metadata: was the save "
-            f"interrupted?). Resuming would silently restart from {older}. Delete the incomplete "
-            f"folder(s) {[f'step-{s}' for s in newer_incomplete]} to accept that, or pass "
-            "--checkpoint.load_step to choose a step."
-        )
-    return (newest_complete, steps[newest_complete]) if complete else None
+    complete = [step for step, path in steps.items() if is_complete(path)]
+    return (max(complete), steps[max(complete)]) if complete else None
+
+
+def interrupted_saves(folder: str, resume_step: int | None) -> list[str]:
+    """``step-N`` folders newer than ``resume_step`` (all, if None) that a save left incomplete."""
+    steps = step_folders(folder)
+    newer = sorted(step for step in steps if resume_step is None or step > resume_step)
+    return [steps[step] for step in newer if not is_complete(steps[step])]
+
+
+def warn_skipped(skipped: list[str], resume: tuple[int, str] | None) -> None:
+    target = f"the previous complete checkpoint {resume[1]}" if resume else "scratch (no complete checkpoint)"
+    logger.warning(
+        f"Skipping incomplete checkpoint(s) {skipped}: no .metadata, a save was interrupted. "
+        f"Resuming from {target}. The next save of that step overwrites the folder."
+    )
 
 
 def read_metadata(path: str) -> Metadata:
@@ -129,19 +156,73 @@ def compare_model(saved: Metadata, expected: dict[str, Any], path: str) -> None:
         )
 
 
+def check_checkpoint(path: str, states: dict[str, Any], load_optimizer: bool, excluded: set[str]) -> None:
+    """Shards present and whole, model and (if loaded) optimizer state matching this run."""
+    metadata = read_metadata(path)
+    if "model" not in excluded:
+        compare_model(metadata, states["model"].state_dict(), path)
+    if load_optimizer and "optimizer" not in excluded:
+        compare_optimizer_state(metadata, states["optimizer"].state_dict(), path)
+
+
+def check_initial_load_path(path: str, checkpointer, checkpoint_config) -> None:
+    if not os.path.isdir(path):
+        return  # torchtitan refuses it itself ("the path is not valid")
+    if not os.path.isfile(os.path.join(path, ".metadata")):
+        raise CheckpointError(
+            f"checkpoint.initial_load_path {path} is not a complete DCP checkpoint: it has no .metadata "
+            "file (an interrupted save or copy, or the parent folder instead of a step-N folder?)"
+        )
+    check_checkpoint(
+        path,
+        checkpointer.states,
+        load_optimizer=not checkpoint_config.initial_load_model_only,
+        excluded=set(checkpoint_config.exclude_from_loading),
+    )
+
+
 def check_before_resume(checkpointer, checkpoint_config) -> None:
-    """Run on every rank before ``checkpointer.load``; all ranks see the same files and fail alike."""
+    """Run on every rank before ``checkpointer.load``; all ranks see the same files and act alike.
+
+    Mirrors torchtitan 0.2.2's choice: the dump folder's checkpoints when its checkpoint
+    folder exists, else ``checkpoint.initial_load_path``.
+    """
     if not checkpoint_config.enable:
         return
-    found = checkpoint_to_resume(checkpointer.folder, checkpoint_config.load_step)
+    folder, initial = checkpointer.folder, checkpoint_config.initial_load_path
+    if not os.path.exists(folder):
+        if initial and not checkpoint_config.initial_load_in_hf:
+            check_initial_load_path(initial, checkpointer, checkpoint_config)
+        return
+    found = checkpoint_to_resume(folder, checkpoint_config.load_step)
+    if checkpoint_config.load_step == -1:
+        skipped = interrupted_saves(folder, found[0] if found else None)
+        if found is None and initial:
+            raise CheckpointError(
+                f"{folder} exists but holds no complete checkpoint (incomplete: {skipped or 'none'}), so "
+                f"torchtitan would ignore checkpoint.initial_load_path {initial} and start from scratch. "
+                f"Delete {folder} to start again from {initial}."
+            )
+        if skipped:
+            warn_skipped(skipped, found)
     if found is None:
         return
     step, path = found
-    if step == 0:  # a model-only seed checkpoint; torchtitan loads just the model
-        return
-    metadata = read_metadata(path)
-    excluded = set(checkpoint_config.exclude_from_loading)
-    if "model" not in excluded:
-        compare_model(metadata, checkpointer.states["model"].state_dict(), path)
-    if "optimizer" not in excluded:
-        compare_optimizer_state(metadata, checkpointer.states["optimizer"].state_dict(), path)
+    if step == 0 or not os.path.isfile(os.path.join(path, ".metadata")):
+        return  # a model-only seed checkpoint, or a Hugging Face save: torchtitan handles those
+    check_checkpoint(path, checkpointer.states, load_optimizer=True, excluded=set(checkpoint_config.exclude_from_loading))
+
+
+def checkpoint_io_error(error: CheckpointException, folder: str) -> CheckpointError:
+    """One readable error for a DCP failure, which reaches every rank with all ranks' causes."""
+    causes: dict[str, list[int]] = defaultdict(list)
+    for rank, (cause, _traceback) in sorted(error.failures.items()):
+        causes[f"{type(cause).__name__}: {cause}"].append(rank)
+    listed = "\n  ".join(f"rank(s) {ranks}: {cause}" for cause, ranks in causes.items())
+    resume = checkpoint_to_resume(folder, load_step=-1)
+    kept = f"the newest complete one, {resume[1]}, is untouched" if resume else "there is no complete one yet"
+    return CheckpointError(
+        f"checkpoint I/O under {folder} failed:\n  {listed}\nCheckpoints already complete are not modified "
+        f"({kept}). Fix the storage (space, permissions, --checkpoint.folder) and start the run again: "
+        "it resumes from the newest complete checkpoint."
+    )

@@ -9,30 +9,53 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
+# torch 2.13's torchrun shares one TCPStore across worker restarts, and restarted workers
+# then read stale process-group keys (docs/reliability.md); a fresh store per restart avoids it.
+TORCHRUN_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
-def torchrun_command(config: str, overrides: list[str], nproc: int = 2, rdzv: list[str] | None = None) -> list[str]:
+
+def torchrun_command(
+    config: str,
+    overrides: list[str],
+    nproc: int = 2,
+    rdzv: list[str] | None = None,
+    max_restarts: int = 0,
+    entry: tuple[str, ...] = ("-m", "titan_muon.train"),
+) -> list[str]:
+    """``entry``: the module (``-m name``) or script (path) torchrun runs on every rank."""
     rendezvous = rdzv if rdzv is not None else ["--standalone"]
     return [
         sys.executable, "-m", "torch.distributed.run", *rendezvous, "--nproc-per-node", str(nproc),
-        "--local-ranks-filter", "0", "-m", "titan_muon.train", "--job.config_file", config, *overrides,
+        "--max-restarts", str(max_restarts), "--local-ranks-filter", "0",
+        *entry, "--job.config_file", config, *overrides,
     ]  # fmt: skip
 
 
-def start(command: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
-    """Start torchrun in a process group of its own, for :func:`stop`."""
-    return subprocess.Popen(
-        command,
-        cwd=REPO_ROOT,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+def start(command: list[str], env: dict[str, str] | None = None, log_file: str | None = None) -> subprocess.Popen:
+    """Start torchrun in a process group of its own, for :func:`stop`.
+
+    With ``log_file``, stdout and stderr go to that file, which can be read while the run
+    goes on (:func:`wait_for_log`); otherwise to pipes that :func:`finish` reads.
+    """
+    output = open(log_file, "w") if log_file else subprocess.PIPE  # noqa: SIM115 (the child holds it)
+    try:
+        return subprocess.Popen(
+            command,
+            cwd=REPO_ROOT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **TORCHRUN_ENV, **(env or {})},
+            stdout=output,
+            stderr=subprocess.STDOUT if log_file else subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+    finally:
+        if log_file:
+            output.close()
 
 
 def finish(process: subprocess.Popen, timeout: float) -> subprocess.CompletedProcess:
@@ -42,7 +65,40 @@ def finish(process: subprocess.Popen, timeout: float) -> subprocess.CompletedPro
     except BaseException:  # the timeout, or the caller interrupted (Ctrl-C, pytest-timeout)
         stop(process)
         raise
-    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout or "", stderr or "")
+
+
+def wait_for_log(log_file: str, text: str, process: subprocess.Popen, timeout: float) -> None:
+    """Return once ``text`` is in ``log_file``; raise if ``process`` ends first or time runs out."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with open(log_file) as log:
+            if text in log.read():
+                return
+        if process.poll() is not None:
+            raise RuntimeError(f"the run ended (exit {process.returncode}) before logging {text!r}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{text!r} not logged within {timeout} s")
+        time.sleep(0.2)
+
+
+def child_pids(pid: int) -> list[int]:
+    """Direct children of ``pid`` (Linux /proc): the workers of a torchrun process."""
+    children = []
+    for task in glob.glob(f"/proc/{pid}/task/*/children"):
+        with open(task) as f:
+            children += [int(child) for child in f.read().split()]
+    return children
+
+
+def is_running(pid: int) -> bool:
+    """False once ``pid`` has exited, even while its zombie waits to be reaped."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rpartition(")")[2].split()[0]
+    except FileNotFoundError:
+        return False
+    return state not in ("Z", "X")
 
 
 def stop(process: subprocess.Popen, grace: float = 30) -> None:
