@@ -21,7 +21,9 @@ from titan_muon import Muon, build_param_groups
 DIM, HIDDEN, KV = 4096, 14336, 1024
 LAYER = {"wq": (DIM, DIM), "wk": (KV, DIM), "wv": (KV, DIM), "wo": (DIM, DIM), "w1": (HIDDEN, DIM), "w2": (DIM, HIDDEN), "w3": (HIDDEN, DIM)}
 HEAD_DIM = 128
-OPS_PER_MATRIX = 60  # measured ~30-45 depending on the features; see test_op_count_per_matrix
+# aten ops per Muon matrix per step (a stand-in for kernel launches), measured on meta at W = 8:
+# fp32 33, fp8 200 (the codec's bit operations: decode twice, encode with its hash noise once).
+OPS_PER_MATRIX = {"fp32": 40, "split-heads": 40, "overlap": 40, "fp8-momentum": 220}
 
 
 def _sharded(shape, mesh, placements, shard_dim):
@@ -124,4 +126,4 @@ def test_op_count_per_matrix():
         large, large_matrices, _ = _run(4, **CASES[case])
         per_matrix = (large[0][3] - small[0][3]) / (large_matrices - small_matrices)
         print(f"{case}: {per_matrix:.1f} aten ops per Muon matrix per step")
-        assert per_matrix <= OPS_PER_MATRIX, (case, per_matrix)
+        assert per_matrix <= OPS_PER_MATRIX[case], (case, per_matrix)
