@@ -288,9 +288,10 @@ class Muon(Optimizer):
             state = self.state[entry.param]
             if self.owner_momentum and entry.sharding is not None:
                 # Momentum lives on the owners; state_dict() lays it out like the parameter.
-                # Only a per-parameter counter (stochastic rounding's step) stays here.
-                if "step" in self.storage.keys:
-                    state.setdefault("step", torch.zeros((), dtype=torch.int64))
+                # Here every key holds a 0-dim placeholder (torch's DCP loader reads the keys
+                # from optimizer.state), except the per-parameter counter of stochastic rounding.
+                for key in self.storage.keys:
+                    state.setdefault(key, torch.zeros((), dtype=torch.int64))
             elif not state:
                 state.update(self.storage.create(entry.param))
         if self.owner_momentum:
@@ -650,8 +651,9 @@ class Muon(Optimizer):
             return state_dict
         states = {e.param: self.storage.create(e.param) for e in sharded}
         for e in sharded:
-            for key, value in self.state[e.param].items():  # per-parameter counters
-                states[e.param][key] = value.clone()
+            for key, value in states[e.param].items():
+                if value.ndim == 0:  # a per-parameter counter: every rank has it
+                    states[e.param][key] = self.state[e.param][key].clone()
         blocks_to_shards(self.storage, self._muon_params, self.plan, self.schedules, self.transport, self._owner_momentum, states)
         index_of = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
         for e in sharded:
@@ -690,7 +692,8 @@ class Muon(Optimizer):
 
     def _move_loaded_momentum_to_owners(self) -> None:
         sharded = [e for e in self._muon_params if e.sharding is not None]
-        loaded = [set(self.state[e.param]) >= set(self.storage.keys) for e in sharded]
+        tensors = [k for k, v in self.storage.create_block(1, 1, "meta").items() if v.ndim > 0]
+        loaded = [all(self.state[e.param].get(k, torch.zeros(())).ndim > 0 for k in tensors) for e in sharded]
         if not any(loaded):
             return
         if not all(loaded):
@@ -701,7 +704,8 @@ class Muon(Optimizer):
             self.storage, self._muon_params, self.plan, self.schedules, self.transport, states, self.device
         )
         for e in sharded:
-            self.state[e.param] = {k: v for k, v in self.state[e.param].items() if v.ndim == 0}
+            for key in tensors:
+                self.state[e.param][key] = torch.zeros((), dtype=torch.int64)  # placeholder again
 
     @staticmethod
     def _process_value_according_to_param_policy(param, value, param_id, param_groups, key=None):
