@@ -80,6 +80,22 @@ class _StepFailure:
 
 
 @dataclass
+class _TransientBytes:
+    """Bytes of the buffers the step allocates (exchange buffers, batches, held updates), as
+    the step allocates and drops them: its peak is reported as muon/peak_transient_bytes."""
+
+    live: int = 0
+    peak: int = 0
+
+    def add(self, n: int) -> None:
+        self.live += n
+        self.peak = max(self.peak, self.live)
+
+    def free(self, n: int) -> None:
+        self.live -= n
+
+
+@dataclass
 class _StepWork:
     """What the exchange phase leaves for the commit."""
 
@@ -88,6 +104,7 @@ class _StepWork:
     update_sq: list[Tensor] = field(default_factory=list)  # device scalars: sums of squared lr-scaled updates
     update_numel: int = 0
     ns_flops: int = 0
+    memory: _TransientBytes = field(default_factory=_TransientBytes)
 
 
 def _dtype(name: str, key: str, device: torch.device) -> torch.dtype:
@@ -356,10 +373,8 @@ class Muon(Optimizer):
         missing, nonfinite = host[:n], host[n : 2 * n]
         partial = [i for i, c in enumerate(missing) if 0 < c < world]
         bad = [self._param_name(gi, pi) for (gi, pi, _), c in zip(params, nonfinite) if c > 0]
-        early = self._overlap.decide(host[2 * n :], world) if self._overlap is not None else None
-        if partial or bad:
-            if self._overlap is not None:
-                self._overlap.drain()
+        usable = not (partial or bad)  # else every early send is waited for and dropped
+        early = self._overlap.decide(host[2 * n :], world, usable) if self._overlap is not None else None
         if partial:
             names = [self._param_name(*params[i][:2]) for i in partial]
             here = "present" if grads[partial[0]] is not None else "missing"
@@ -397,14 +412,20 @@ class Muon(Optimizer):
                 b = order[launched]
                 if b not in early:
                     outbound[b] = self._send(b, verdict, failure)
+                    work.memory.add(outbound[b].nbytes)
                 launched += 1
+
+        for exchange in early.values():  # received during backward, held until used
+            work.memory.add(exchange.received.numel())
 
         launch_until(self.buckets_in_flight)
         self._orthogonalize_local(verdict, failure, timer, work)
         for position, b in enumerate(order):
             launch_until(position + self.buckets_in_flight)
             schedule = self.schedules[b]
-            received = (early[b] if b in early else outbound.pop(b)).wait()
+            exchange = early[b] if b in early else outbound.pop(b)
+            work.memory.free(exchange.nbytes - exchange.received.numel())  # the send buffer, once done
+            received = exchange.wait()
             back = None
             if failure.error is None:
                 try:
@@ -413,7 +434,9 @@ class Muon(Optimizer):
                     failure.record(error, f"Newton-Schulz of bucket {b}")
             if back is None:
                 back = torch.zeros(schedule.recv_numel, dtype=self.comm_dtype, device=self.device)
+            work.memory.free(exchange.received.numel())
             returning.append((b, self.transport.all_to_all(back, schedule.recv_counts, schedule.send_counts)))
+            work.memory.add(returning[-1][1].nbytes)
             if len(returning) > self.buckets_in_flight:
                 self._receive_updates(*returning[-self.buckets_in_flight - 1], verdict, failure, work)
         for b, exchange in returning[max(0, len(returning) - self.buckets_in_flight) :]:
@@ -471,6 +494,7 @@ class Muon(Optimizer):
                 by_key[self._ns_key(unit)].append((unit, self._outbound_source(entry, local, verdict, momenta)))
             for key, members in by_key.items():
                 result = self._newton_schulz(key, torch.stack([m for _, m in members]), timer, work)
+                work.memory.add(result.numel() * result.element_size())  # held until the commit
                 for (unit, _), out in zip(members, result):
                     entry = self._muon_params[unit.param]
                     target = entry.stack(entry.param)[unit.matrix, unit.row_start : unit.row_end]
@@ -488,7 +512,10 @@ class Muon(Optimizer):
             matrices = batch.matrices
             if self.owner_momentum:
                 matrices = self._owner_nesterov(batch.units, matrices, scales, work)
+            workspace = 4 * matrices.numel() * matrices.element_size()  # input, Gram, polynomial, result
+            work.memory.add(workspace)
             out = self._newton_schulz(batch.key, matrices, timer, work)
+            work.memory.free(workspace)
             results.update(zip(batch.units, out.unbind(0)))
         return disassemble(schedule, results, self.comm_dtype, self.device)
 
@@ -509,6 +536,7 @@ class Muon(Optimizer):
         return torch.stack(out)
 
     def _receive_updates(self, bucket: int, exchange: Exchange, verdict: "_Verdict", failure: _StepFailure, work: _StepWork) -> None:
+        work.memory.free(exchange.nbytes - exchange.received.numel())  # the updates stay until the commit
         received = exchange.wait()
         if failure.error is not None:
             return
@@ -622,6 +650,7 @@ class Muon(Optimizer):
             "muon/bytes_sent_to_owners": float(self._outbound_bytes),
             "muon/bytes_received": float(self.transport.bytes_received),
             "muon/skipped_steps": float(self.skipped_steps),
+            "muon/peak_transient_bytes": float(work.memory.peak),
         }
         if work.update_sq:
             metrics["muon/update_rms"] = (torch.stack(work.update_sq).sum() / work.update_numel).sqrt()
