@@ -451,11 +451,10 @@ class Muon(Optimizer):
         if failure.error is None:
             try:
                 momenta: dict[int, Tensor] = {}  # decoded once per parameter and bucket
-                pieces = []
-                for piece in schedule.outbound:
+                send = torch.empty(schedule.send_numel, dtype=self.comm_dtype, device=self.device)
+                for piece, slot in zip(schedule.outbound, unpack(schedule, send)):  # written in place
                     entry = self._muon_params[self.plan.units[piece.unit].param]
-                    pieces.append(self._outbound_source(entry, piece.local, verdict, momenta))
-                send = pack(pieces, self.comm_dtype, self.device)
+                    self._outbound_source(entry, piece.local, verdict, momenta, out=slot)
             except Exception as error:  # noqa: BLE001 - settled on every rank in _agree_on_success
                 failure.record(error, f"packing bucket {bucket}")
         if send is None:
@@ -464,20 +463,27 @@ class Muon(Optimizer):
         return self.transport.all_to_all(send, schedule.send_counts, schedule.recv_counts)
 
     def _outbound_source(
-        self, entry: MuonParam, local: tuple[int, int, int], verdict: "_Verdict", momenta: dict[int, Tensor]
+        self, entry: MuonParam, local: tuple[int, int, int], verdict: "_Verdict", momenta: dict[int, Tensor], out: Tensor | None = None
     ) -> Tensor:
         """Rows [r0, r1) of local matrix m as they travel: the matrix to orthogonalize, or the
-        raw gradient when momentum lives on the owners."""
+        raw gradient when momentum lives on the owners; written into `out` if given."""
         m, r0, r1 = local
         p = entry.param
         if id(p) in verdict.skipped:
-            return torch.zeros_like(entry.stack(p)[m, r0:r1])
-        grad = entry.stack(p.grad)[m, r0:r1]
-        if self.owner_momentum and entry.sharding is not None:
-            return grad
-        if entry.index not in momenta:
-            momenta[entry.index] = entry.stack(self.storage.load(self.state[p]))
-        return nesterov_input(grad.float(), momenta[entry.index][m, r0:r1], entry.group["momentum"], entry.group["nesterov"])
+            value = torch.zeros_like(entry.stack(p)[m, r0:r1])
+        elif self.owner_momentum and entry.sharding is not None:
+            value = entry.stack(p.grad)[m, r0:r1]
+        else:
+            if entry.index not in momenta:
+                momenta[entry.index] = entry.stack(self.storage.load(self.state[p]))
+            grad = entry.stack(p.grad)[m, r0:r1].float()
+            direct = out is not None and out.dtype == torch.float32
+            value = nesterov_input(grad, momenta[entry.index][m, r0:r1], entry.group["momentum"], entry.group["nesterov"], out=out if direct else None)
+            if direct:
+                return out
+        if out is None:
+            return value
+        return out.copy_(value)
 
     def _orthogonalize_local(self, verdict: "_Verdict", failure: _StepFailure, timer: StepTimer, work: _StepWork) -> None:
         """Matrices this rank holds whole: orthogonalize them while the buckets travel."""
