@@ -135,3 +135,35 @@ def test_owner_momentum_checkpoint_reshards(tmp_path, load_world, momentum_dtype
     for name, tensor in straight[0].items():
         # Same fp32 math on another layout: sums of FSDP gradient pieces in another order.
         assert (resumed[0][name] - tensor).abs().max().item() <= 1e-5, name
+
+
+def _replan(rank, world):
+    import torch.distributed as dist
+    from torch import nn
+
+    created = []
+    original = dist.new_group
+
+    def counting(*args, **kwargs):
+        created.append(args[0] if args else kwargs.get("ranks"))
+        return original(*args, **kwargs)
+
+    dist.new_group = counting
+    try:
+        model = fsdp_model(world)
+        groups = build_param_groups(model, adamw_lr=3e-3)
+        opt = Muon(groups[:1], lr=0.02, overlap=True)
+        first = len(created)
+        extra = nn.Parameter(torch.zeros(3))
+        opt.add_param_group({"params": [("extra", extra)], "use_muon": False})
+        opt.add_param_group(groups[1])
+        second = Muon(groups[:1], lr=0.02, overlap=True)  # another optimizer over the same ranks
+        return {"first": first, "after": len(created), "alive": second.transport.world_size}
+    finally:
+        dist.new_group = original
+
+
+def test_replanning_creates_no_new_process_groups():
+    for result in run_distributed(_replan, 2):
+        assert result["first"] == 1  # the twin group for overlapped sends
+        assert result["after"] == result["first"], "re-planning created process groups again"
