@@ -106,10 +106,10 @@ class Capture:
 
 
 @pytest.mark.parametrize("kind", sorted(MODELS))
-@pytest.mark.parametrize("chunk_elements", [37, 1 << 24])
-def test_recorded_max_equals_brute_force(kind, chunk_elements):
+@pytest.mark.parametrize("block_bytes", [37 * 4, 1 << 26])  # one query row a block; all rows in one block
+def test_recorded_max_equals_brute_force(kind, block_bytes):
     model = MODELS[kind]()
-    recorder = MaxLogitRecorder.attach(model, chunk_elements=chunk_elements)
+    recorder = MaxLogitRecorder.attach(model, block_bytes=block_bytes)
     capture = Capture(model)
     maxima = []
     for micro_batch in range(2):  # running max over the micro-batches of a step
@@ -133,7 +133,7 @@ def test_block_max_with_a_document_mask_and_gqa():
     def document_causal(b, h, q_idx, kv_idx):
         return (docs[b, q_idx] == docs[b, kv_idx]) & (q_idx >= kv_idx)
 
-    got = block_max_logits(q, k, 0.7, mask_mod=document_causal, chunk_elements=50)
+    got = block_max_logits(q, k, 0.7, mask_mod=document_causal, block_bytes=50 * 4)
     full = 0.7 * q @ k.repeat_interleave(3, dim=1).transpose(-1, -2)
     b, i, j = torch.meshgrid(torch.arange(2), torch.arange(10), torch.arange(10), indexing="ij")
     allowed = document_causal(b, None, i, j)[:, None]
@@ -143,7 +143,7 @@ def test_block_max_with_a_document_mask_and_gqa():
 
 def test_max_logit_is_signed():
     x = torch.rand(1, 2, 6, 4) + 0.1
-    got = block_max_logits(x, -x, 0.5, chunk_elements=7)  # every logit negative
+    got = block_max_logits(x, -x, 0.5, block_bytes=7 * 4)  # every logit negative
     expected = (-0.5 * x @ x.transpose(-1, -2)).masked_fill(torch.ones(6, 6, dtype=torch.bool).triu(1), -math.inf)
     assert (got < 0).all()
     torch.testing.assert_close(got, expected.amax(dim=(0, 2, 3)))
@@ -151,8 +151,8 @@ def test_max_logit_is_signed():
 
 def test_recording_needs_no_full_logit_matrix():
     q, k = torch.randn(2, 4, 256, 8), torch.randn(2, 4, 256, 8)
-    expected = block_max_logits(q, k, chunk_elements=1 << 30)
-    torch.testing.assert_close(block_max_logits(q, k, chunk_elements=2 * 4 * 256 * 16), expected)  # 16 query rows a block
+    expected = block_max_logits(q, k, block_bytes=1 << 32)
+    torch.testing.assert_close(block_max_logits(q, k, block_bytes=2 * 4 * 256 * 16 * 4), expected)  # 16 query rows a block
 
 
 # ---------------------------------------------------------------- clipping
@@ -200,7 +200,7 @@ def test_clip_bounds_clipped_heads_and_keeps_the_others(kind):
     with torch.no_grad():
         model(batch)
     tau = tau_between(capture.head_max(), boosted)
-    qk_clip = QKClip(model, tau=tau, alpha=0.5, chunk_elements=64)
+    qk_clip = QKClip(model, tau=tau, alpha=0.5, block_bytes=64 * 4)
     before_weights = {n: p.detach().clone() for n, p in model.named_parameters()}
     with torch.no_grad():
         model(batch)
