@@ -141,6 +141,19 @@ def test_block_max_with_a_document_mask_and_gqa():
     torch.testing.assert_close(got, expected)
 
 
+@pytest.mark.parametrize("rows_per_block", [1, 5, 12])  # 5: blocks of 5, 5 and 2 query rows
+@pytest.mark.parametrize("causal", [True, False])
+def test_block_max_equals_the_dense_max(rows_per_block, causal):
+    g = torch.Generator().manual_seed(4)
+    q, k = torch.randn(2, 6, 12, 4, generator=g), torch.randn(2, 2, 12, 4, generator=g)
+    q = q.transpose(1, 2).contiguous().transpose(1, 2)  # torchtitan's (B, L, H, D) memory order
+    got = block_max_logits(q, k, 0.7, is_causal=causal, block_bytes=2 * 6 * 12 * 4 * rows_per_block)
+    full = 0.7 * q.double() @ k.double().repeat_interleave(3, dim=1).transpose(-1, -2)
+    if causal:
+        full = full.masked_fill(torch.ones(12, 12, dtype=torch.bool).triu(1), -math.inf)
+    torch.testing.assert_close(got, full.amax(dim=(0, 2, 3)).float(), rtol=1e-6, atol=1e-6)  # fp32 dot products of 4 terms
+
+
 def test_max_logit_is_signed():
     x = torch.rand(1, 2, 6, 4) + 0.1
     got = block_max_logits(x, -x, 0.5, block_bytes=7 * 4)  # every logit negative

@@ -64,10 +64,10 @@ def block_max_logits(
 
     # Queries as (B*Hk, Lq, rep, D): a block of query positions is one contiguous slice, and all
     # the Q heads sharing a K head multiply it in one batched matmul (K is never repeated).
-    queries = q.detach().reshape(batch, kv_heads, rep, q_len, dim).transpose(2, 3).reshape(batch * kv_heads, q_len, rep, dim)
+    queries = q.detach().reshape(batch, kv_heads, rep, q_len, dim).transpose(2, 3).reshape(batch * kv_heads, q_len, rep, dim).contiguous()
     keys_t = k.detach().reshape(batch * kv_heads, kv_len, dim).transpose(1, 2)  # (B*Hk, D, Lk)
     upper = torch.ones(block, block, dtype=torch.bool, device=q.device).triu(1)[:, None, :] if causal else None  # (i, rep, j): j > i
-    best = torch.full((kv_heads, rep), -math.inf, dtype=torch.float32, device=q.device)
+    best = torch.full((kv_heads, rep), -math.inf, dtype=q.dtype, device=q.device)
     for start in range(0, q_len, block):
         end = min(q_len, start + block)
         rows = end - start
@@ -79,10 +79,10 @@ def block_max_logits(
             logits[..., start:end].masked_fill_(upper[:rows, :, :rows], -math.inf)
         elif mask_mod is not None:
             logits = logits.masked_fill(~_allowed(mask_mod, batch, kv_heads, rep, start, end, kv_len, q.device), -math.inf)
-        # max is exact in any dtype: take it in the activations' dtype, widen only the result.
-        best = torch.maximum(best, logits.amax(dim=(0, 2, 4)).float())
-    # Multiply after the max (the scale is positive): one fewer pass over the block.
-    return (best * scale).reshape(q_heads)
+        best = torch.maximum(best, logits.amax(dim=(0, 2, 4)))
+    # max is exact in any dtype: take it in the activations' dtype, widen only the result; and
+    # multiply after the max (the scale is positive): one fewer pass over the block.
+    return (best.float() * scale).reshape(q_heads)
 
 
 def _allowed(mask_mod, batch, kv_heads, rep, start, end, kv_len, device) -> Tensor:
