@@ -62,6 +62,16 @@ def test_invalid_optimizer_value_is_named(tmp_path, line, key):
         validate_optimizer_config(parse(toml=str(toml)).optimizer)
 
 
+@pytest.mark.parametrize("name", ["AdamW", "Adam"])
+def test_qk_clip_with_another_optimizer_is_refused(name):
+    optimizer = parse("--optimizer.name", name, "--optimizer.qk_clip").optimizer
+    assert optimizer.qk_clip and optimizer.name == name
+    with pytest.raises(ValueError, match=rf'\[optimizer\] qk_clip = true needs name = "Muon", got name = {name!r}'):
+        validate_optimizer_config(optimizer)
+    optimizer.qk_clip = False
+    validate_optimizer_config(optimizer)
+
+
 def test_muon_without_config_module_is_explained(tmp_path):
     toml = tmp_path / "plain.toml"
     toml.write_text(

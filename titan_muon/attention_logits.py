@@ -15,6 +15,7 @@ found from the global rows of the query projection it holds.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -193,10 +194,14 @@ class MaxLogitRecorder:
         # NaN marks the head as non-finite (+inf), so a NaN forward can never be taken for a small logit.
         row.copy_(torch.maximum(row, observed.nan_to_num(nan=math.inf)))
 
-    def all_reduce(self, group: dist.ProcessGroup | None = None) -> Tensor:
-        """One MAX all-reduce of all layers together over `group` (no-op without torch.distributed)."""
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
-            dist.all_reduce(self.max_logits, op=dist.ReduceOp.MAX, group=group)
+    def all_reduce(self, group: dist.ProcessGroup | Sequence[dist.ProcessGroup] | None = None) -> Tensor:
+        """MAX all-reduce of all layers together over `group` (None: the world; a sequence of
+        groups: their product, one all-reduce each). A no-op without torch.distributed."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return self.max_logits
+        for one in group if isinstance(group, Sequence) else [group]:
+            if dist.get_world_size(one) > 1:
+                dist.all_reduce(self.max_logits, op=dist.ReduceOp.MAX, group=one)
         return self.max_logits
 
     def reset(self) -> None:

@@ -222,8 +222,9 @@ class QKClip:
         metrics = qk_clip.reduce_and_clip(optimizer)    # one MAX all-reduce, clip, reset
 
     Only forwards in training mode record (validation under ``model.eval()`` does not).
-    ``group``: every rank that holds these same layers (data-parallel × tensor-parallel ranks of
-    one pipeline stage; HSDP: replicate × shard); None = the world. The step adds no host sync:
+    ``group``: the ranks that hold these same layers, as one process group, a sequence of groups
+    whose product they are (e.g. a pipeline stage's data-parallel and tensor-parallel mesh
+    dimensions: one MAX all-reduce each), or None for the world. The step adds no host sync:
     ``metrics`` holds device tensors until read.
     """
 
@@ -232,7 +233,7 @@ class QKClip:
         model: nn.Module,
         tau: float = 100.0,
         alpha: float = 0.5,
-        group: dist.ProcessGroup | None = None,
+        group: dist.ProcessGroup | Sequence[dist.ProcessGroup] | None = None,
         block_bytes: int | None = None,
     ):
         _check_hyperparameters(tau, alpha)
@@ -283,7 +284,7 @@ def build_qk_clips(
     model_parts: Sequence[nn.Module],
     tau: float = 100.0,
     alpha: float = 0.5,
-    group: dist.ProcessGroup | None = None,
+    group: dist.ProcessGroup | Sequence[dist.ProcessGroup] | None = None,
     *,
     block_bytes: int | None = None,
     allow_parts_without_attention: bool = False,
