@@ -33,11 +33,11 @@ def llama(n_heads=9, n_kv_heads=3, head_dim=4, n_layers=2, seed=0):
     return _init(Transformer(args), seed)
 
 
-def mla(q_lora_rank=0, n_layers=2, seed=0):
+def mla(q_lora_rank=0, n_layers=2, seed=0, n_heads=3):
     # max_seq_len > original_seq_len switches on YaRN's mscale, so softmax_scale != 1/sqrt(d).
     args = DeepSeekV3ModelArgs(
         vocab_size=VOCAB, dim=32, inter_dim=48, moe_inter_dim=16, n_layers=n_layers, n_dense_layers=n_layers,
-        n_heads=3, q_lora_rank=q_lora_rank, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
+        n_heads=n_heads, q_lora_rank=q_lora_rank, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
         v_head_dim=5, max_seq_len=2 * SEQ, original_seq_len=SEQ,
     )
     return _init(DeepSeekV3Model(args), seed)
@@ -171,11 +171,12 @@ def test_recording_needs_no_full_logit_matrix():
 # ---------------------------------------------------------------- clipping
 
 
-def boost(model, kind):
+def boost(model, kind, boosted=None):
     """Make some heads (for GQA: all of KV group 0 and one head of group 1) clearly the largest;
     returns their (layer, head) mask. A tau between them and the rest exercises every rule."""
     layers = find_attention_layers(model)
-    boosted = [0, 1, 2, 3] if kind == "gqa" else [1]  # GQA: heads 0-2 are KV group 0
+    if boosted is None:
+        boosted = [0, 1, 2, 3] if kind == "gqa" else [1]  # GQA: heads 0-2 are KV group 0
     with torch.no_grad():
         for layer in layers:
             wq = layer.module.wq_b if kind == "mla_lora" else layer.module.wq
