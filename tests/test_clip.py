@@ -17,7 +17,7 @@ from torchtitan.models.llama3.model.args import TransformerModelArgs
 from torchtitan.models.llama3.model.model import Transformer
 
 from titan_muon.attention_logits import MaxLogitRecorder, block_max_logits
-from titan_muon.clip import QKClip, apply_qk_clip, find_attention_layers
+from titan_muon.clip import QKClip, apply_qk_clip, build_qk_clips, find_attention_layers
 
 VOCAB, SEQ = 64, 12
 
@@ -326,3 +326,11 @@ def test_varlen_attention_is_refused():
     args = TransformerModelArgs(dim=16, n_layers=1, n_heads=2, vocab_size=VOCAB, max_seq_len=SEQ, attn_type="varlen")
     with pytest.raises(NotImplementedError, match="varlen"):
         QKClip(Transformer(args))
+
+
+def test_a_model_part_without_attention_is_skipped_only_when_allowed():
+    head = nn.Sequential(nn.LayerNorm(36), nn.Linear(36, VOCAB))  # a last pipeline stage: norm + output
+    with pytest.raises(ValueError, match="no attention module"):
+        build_qk_clips([llama(), head])
+    clips = build_qk_clips([llama(), head], allow_parts_without_attention=True)
+    assert isinstance(clips[0], QKClip) and clips[1] is None
