@@ -8,6 +8,7 @@ from collections import Counter
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 from torchtitan.models.deepseek_v3.model.args import DeepSeekV3ModelArgs
 from torchtitan.models.deepseek_v3.model.model import DeepSeekV3Model
@@ -150,3 +151,25 @@ def test_recording_traces_under_compile_fullgraph():
     torch.testing.assert_close(compiled(x, freqs_cis, None), expected_out)
     torch.testing.assert_close(recorder.max_logits, expected)  # same ops, same order: equal up to fp32 rounding
     assert torch.isfinite(expected[0, :9]).all()
+
+
+def test_the_all_reduce_sees_only_device_tensors():
+    """A process group with a backend for `meta` only rejects CPU tensors, as NCCL does (the
+    first assertion shows it): the max-logit reduce of a meta model goes through it."""
+    from torch.testing._internal.distributed import fake_pg
+
+    if "meta_only" not in dist.Backend.backend_list:
+        dist.Backend.register_backend("meta_only", fake_pg._create_fake_pg, extended_api=True, devices=["meta"])
+    dist.init_process_group("meta:meta_only", store=fake_pg.FakeStore(), rank=0, world_size=4)
+    try:
+        with pytest.raises(RuntimeError, match="No backend type associated with device type cpu"):
+            dist.all_reduce(torch.zeros(2))
+        with torch.device("meta"):
+            model = MODELS["mla"]()
+        qk_clip = QKClip(model, tau=1.0, group=[dist.group.WORLD, dist.group.WORLD])
+        model(torch.zeros(2, 12, dtype=torch.long, device="meta"))
+        with OpCounter() as counter:
+            qk_clip.reduce_and_clip(lr=1.0)
+        assert sum(n for op, n in counter.ops.items() if "allreduce" in str(op)) == 2  # one per group
+    finally:
+        dist.destroy_process_group()
