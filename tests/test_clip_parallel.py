@@ -6,6 +6,7 @@ own test against one-process references:
 * ``tp``: torchtitan's own TP plans (llama3 ``apply_tp``, deepseek_v3 ``apply_non_moe_tp``) on
   the ``tp`` dimension of a (dp 2 × tp 2) mesh, data parallel replicated: every rank computes
   only its heads and holds only their rows (``Shard(0)`` on ``tp``);
+* ``tp_compiled``: ``tp`` for GQA with each block under ``torch.compile(fullgraph=True)``;
 * ``fsdp_tp``: the same with FSDP2 on ``dp`` on top (``_StridedShard(0)`` × ``Shard(0)``),
   reduced over the product of the dp and tp groups, as under pipeline parallel;
 * ``pp``: torchtitan's ``ParallelDims`` with pp 2 × fsdp 2, pipeline stages of different
@@ -46,7 +47,8 @@ def boosted(kind):
 
 
 def full_params(model):
-    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in model.named_parameters()}
+    full = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in model.named_parameters()}
+    return {n.replace("_orig_mod.", ""): p for n, p in full.items()}  # compiled blocks add _orig_mod
 
 
 def one_process_clip(kind):
@@ -75,10 +77,15 @@ def _tp_layouts(taus):
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     batch = tokens(0, BATCH).chunk(2)[mesh["dp"].get_local_rank()]
     out = {}
-    for layout in ("tp", "fsdp_tp"):
+    for layout in ("tp", "fsdp_tp", "tp_compiled"):
         for kind, tau in taus.items():
+            if layout == "tp_compiled" and kind != "gqa":
+                continue
             model, _ = boosted(kind)
             tensor_parallel(model, kind, mesh["tp"])
+            if layout == "tp_compiled":  # as torchtitan compiles: each block whole, hook inside
+                for name, block in model.layers.named_children():
+                    model.layers.register_module(name, torch.compile(block, fullgraph=True, backend="aot_eager"))
             group = None  # the world: dp × tp, what the adapter uses without pipeline parallel
             if layout == "fsdp_tp":
                 for block in model.layers.values():
@@ -212,6 +219,12 @@ def test_tensor_parallel_clip_equals_one_process(four_ranks, kind):
         assert all(p == (Shard(0),) for p in got["placements"].values()), got["placements"]
         assert all(got["held_rows_match"])
         check_equal_to_one_process(got, references[kind])
+
+
+def test_tensor_parallel_recording_traces_under_compile(four_ranks):
+    references, _, results = four_ranks
+    for result in results:
+        check_equal_to_one_process(result["tp_compiled", "gqa"], references["gqa"])
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
