@@ -79,7 +79,7 @@ def block_max_logits(
         if causal:
             logits[..., start:end].masked_fill_(upper[:rows, :, :rows], -math.inf)
         elif mask_mod is not None:
-            logits = logits.masked_fill(~_allowed(mask_mod, batch, kv_heads, rep, start, end, kv_len, q.device), -math.inf)
+            logits.masked_fill_(~_allowed(mask_mod, batch, kv_heads, rep, start, end, kv_len, q.device), -math.inf)
         best = torch.maximum(best, logits.amax(dim=(0, 2, 4)))
     # max is exact in any dtype: take it in the activations' dtype, widen only the result; and
     # multiply after the max (the scale is positive): one fewer pass over the block.

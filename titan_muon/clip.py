@@ -126,7 +126,7 @@ def scale_rows(t: Tensor, factors: Tensor) -> None:
     if not ranges:
         return
     mine = torch.cat([factors[start:end] for start, end in ranges]) if len(ranges) > 1 else factors[ranges[0][0] : ranges[0][1]]
-    local.mul_(mine.to(local.dtype).view(-1, *[1] * (local.dim() - 1)))
+    local.mul_(mine.to(device=local.device, dtype=local.dtype).view(-1, *[1] * (local.dim() - 1)))
 
 
 def apply_qk_clip(
@@ -134,7 +134,7 @@ def apply_qk_clip(
 ) -> Tensor:
     """Clip every (layer, head) with tau < max_logits[layer, head] < inf; returns the clipped mask.
 
-    ``max_logits`` is (layers, >= heads): the data-parallel max, identical on every rank.
+    ``max_logits`` is (layers, >= heads): the max over every rank holding these layers, identical on each.
     Heads with S <= tau, S <= 0, NaN or inf are left alone (inf would zero the weights).
     ``live`` (a device bool, e.g. lr != 0 for a tensor lr) switches the whole clip off.
     Everything stays on the weights' device: no host read.
