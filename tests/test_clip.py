@@ -334,3 +334,16 @@ def test_a_model_part_without_attention_is_skipped_only_when_allowed():
         build_qk_clips([llama(), head])
     clips = build_qk_clips([llama(), head], allow_parts_without_attention=True)
     assert isinstance(clips[0], QKClip) and clips[1] is None
+
+
+def test_a_tensor_lr_is_read_on_the_device():
+    model = llama()
+    qk_clip = QKClip(model, tau=1e-3)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with torch.no_grad():
+        model(tokens())
+    assert dict(qk_clip.reduce_and_clip(lr=torch.tensor(0.0)))["qk_clip/heads_clipped"] == 0
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    with torch.no_grad():
+        model(tokens())
+    assert dict(qk_clip.reduce_and_clip(lr=torch.tensor(0.1)))["qk_clip/heads_clipped"] == 18
