@@ -1,6 +1,7 @@
 """MuonClip without a GPU, proven GPU-ready: it runs on `meta` (shapes only), a step reads
-nothing on the host, recording at sequence length 8192 costs tens of aten ops per layer (a
-stand-in for kernel launches), and the recording hook traces under torch.compile(fullgraph).
+nothing on the host, its all-reduce sees only device tensors, recording at sequence length 8192
+costs tens of aten ops per layer (a stand-in for kernel launches), the recording hook traces
+under torch.compile(fullgraph), and the rows a rank holds are those DTensor gives it.
 """
 
 import math
@@ -9,6 +10,9 @@ from collections import Counter
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils._python_dispatch import TorchDispatchMode
 from torchtitan.models.deepseek_v3.model.args import DeepSeekV3ModelArgs
 from torchtitan.models.deepseek_v3.model.model import DeepSeekV3Model
@@ -16,7 +20,7 @@ from torchtitan.models.llama3.model.args import TransformerModelArgs
 from torchtitan.models.llama3.model.model import Transformer
 
 from test_clip import MODELS, boost, tokens
-from titan_muon.attention_logits import ACCELERATOR_BLOCK_BYTES, MaxLogitRecorder, block_max_logits
+from titan_muon.attention_logits import ACCELERATOR_BLOCK_BYTES, MaxLogitRecorder, block_max_logits, held_rows
 from titan_muon.clip import QKClip, QKClipMetrics, read_metrics
 
 aten = torch.ops.aten
@@ -173,3 +177,41 @@ def test_the_all_reduce_sees_only_device_tensors():
         assert sum(n for op, n in counter.ops.items() if "allreduce" in str(op)) == 2  # one per group
     finally:
         dist.destroy_process_group()
+
+
+HELD_ROWS_PLACEMENTS = {
+    (2, 2): [
+        (Shard(0), Shard(0)),
+        (_StridedShard(0, split_factor=2), Shard(0)),  # FSDP2 on top of tensor parallel
+        (Replicate(), Shard(0)),  # tensor parallel only, or HSDP replicate × TP
+        (Shard(0), Replicate()),
+        (Shard(1), Shard(0)),  # a column shard leaves every row in place
+    ],
+    (2, 2, 2): [(Replicate(), _StridedShard(0, split_factor=2), Shard(0))],  # HSDP on top of TP
+}
+
+
+@pytest.mark.parametrize("mesh_shape", sorted(HELD_ROWS_PLACEMENTS))
+def test_held_rows_match_dtensor_sharding(mesh_shape):
+    """Ground truth is DTensor itself: ``distribute_tensor(..., src_data_rank=None)`` splits with
+    DTensor's own placement code (no communication), for every rank of a fake group in turn."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    world = math.prod(mesh_shape)
+    for rank in range(world):
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+        try:
+            mesh = init_device_mesh("cpu", mesh_shape)
+            for rows in (16, 13, 3, 0):  # even, uneven, fewer rows than shards, empty
+                row_ids = torch.arange(rows)
+                for placements in HELD_ROWS_PLACEMENTS[mesh_shape]:
+                    weight = distribute_tensor(row_ids[:, None].expand(rows, 2), mesh, placements, src_data_rank=None)
+                    assert list(range(*held_rows(weight))) == weight.to_local()[:, 0].tolist(), (rank, rows, placements)
+                    bias_placements = [Replicate() if getattr(p, "dim", 0) == 1 else p for p in placements]  # a bias has no columns
+                    bias = distribute_tensor(row_ids, mesh, bias_placements, src_data_rank=None)
+                    assert list(range(*held_rows(bias))) == bias.to_local().tolist()
+            heads = distribute_tensor(torch.arange(8)[None, :, None, None].expand(2, 8, 3, 4), mesh, [Replicate()] * (len(mesh_shape) - 1) + [Shard(1)], src_data_rank=None)
+            assert list(range(*held_rows(heads, dim=1))) == heads.to_local()[0, :, 0, 0].tolist()  # q (B, H, L, D) of a TP rank
+        finally:
+            dist.destroy_process_group()
+    assert held_rows(torch.zeros(7, 3)) == (0, 7)

@@ -29,8 +29,8 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from distributed import run_distributed
 from test_clip import boost, llama, mla, tau_between, tokens
+from titan_muon.attention_logits import held_rows
 from titan_muon.clip import QKClip, build_qk_clips, read_metrics
-from titan_muon.layout import held_ranges
 
 BATCH = 4
 KINDS = {
@@ -103,7 +103,7 @@ def _tp_layouts(taus):
                 placements={n: tuple(p.placements) for n, p in weights.items()},
                 # the rows each rank says it holds, checked against the gathered weight
                 held_rows_match=[  # a list, not a generator: every rank gathers every weight
-                    torch.equal(p.to_local(), torch.cat([p.full_tensor()[s:e] for s, e in held_ranges(p)])) for p in weights.values()
+                    torch.equal(p.to_local(), p.full_tensor()[slice(*held_rows(p))]) for p in weights.values()
                 ],
             )
     return out

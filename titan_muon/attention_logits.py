@@ -20,9 +20,10 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
-from titan_muon.layout import count, held_ranges
+from titan_muon.layout import RankGrid, sharding_of
 
 CPU_BLOCK_BYTES = 4 << 20
 """Logits per query block on CPU: 4 MiB (2^20 fp32 logits), the fastest size measured (docs/muonclip.md)."""
@@ -95,6 +96,29 @@ def _allowed(mask_mod, batch, kv_heads, rep, start, end, kv_len, device) -> Tens
     return mask_mod(b, h, q_idx, kv_idx)
 
 
+def held_rows(t: Tensor, dim: int = 0) -> tuple[int, int]:
+    """Global [start, stop) of dimension ``dim`` that this rank's local tensor holds.
+
+    One contiguous range for every placement FSDP2, HSDP, tensor parallel and FSDP2 on top of
+    tensor parallel produce (titan_muon.layout computes it; other nestings raise there).
+    """
+    if not isinstance(t, DTensor):
+        return 0, t.shape[dim]
+    coordinate = t.device_mesh.get_coordinate()
+    if coordinate is None:  # this rank is not in the tensor's mesh
+        return 0, 0
+    # Seen as a (length, 1) matrix: only the splits of `dim` move its rows.
+    as_rows = [_rows_placement(p, dim) for p in t.placements]
+    sharding = sharding_of((t.shape[dim], 1), as_rows, tuple(t.device_mesh.shape), RankGrid([coordinate]))
+    return sharding.box(0)[1]
+
+
+def _rows_placement(placement, dim: int):
+    if isinstance(placement, _StridedShard):
+        return _StridedShard(0, split_factor=placement.split_factor) if placement.dim == dim else Replicate()
+    return Shard(0) if isinstance(placement, Shard) and placement.dim == dim else Replicate()
+
+
 def query_projection(attention: nn.Module) -> nn.Linear:
     """The linear layer whose output rows are the query heads (MLA with a q LoRA: ``wq_b``)."""
     return attention.wq_b if getattr(attention, "q_lora_rank", 0) else attention.wq
@@ -108,14 +132,14 @@ def first_local_head(attention: nn.Module, local_heads: int) -> int:
     """
     weight = query_projection(attention).weight
     rows_per_head = weight.shape[0] // int(attention.n_heads)
-    ranges = held_ranges(weight, 0)
-    if len(ranges) != 1 or ranges[0][0] % rows_per_head or count(ranges) != local_heads * rows_per_head:
+    start, stop = held_rows(weight)
+    if start % rows_per_head or stop - start != local_heads * rows_per_head:
         raise NotImplementedError(
-            f"max-logit recording: the query projection holds global rows {ranges} "
+            f"max-logit recording: the query projection holds global rows [{start}, {stop}) "
             f"({getattr(weight, 'placements', 'not a DTensor')}), which are not the {local_heads} whole "
             f"heads of {rows_per_head} rows that attention received"
         )
-    return ranges[0][0] // rows_per_head
+    return start // rows_per_head
 
 
 def parameter_device(module: nn.Module) -> torch.device:
@@ -168,7 +192,7 @@ class MaxLogitRecorder:
                 q = args[0] if args else kwargs["q"]
                 k = args[1] if len(args) > 1 else kwargs["k"]
                 if isinstance(q, DTensor):  # heads sharded as a DTensor (dim 1): its placement says which
-                    first_head = held_ranges(q, 1)[0][0] if q.to_local().shape[1] else 0
+                    first_head = held_rows(q, 1)[0]
                     q, k = q.to_local(), k.to_local()
                 else:
                     first_head = first_local_head(attention, q.shape[1])

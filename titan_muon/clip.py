@@ -16,8 +16,8 @@ h by a·b. The rules below pick a, b per head:
 * MLA: per head, q_nope rows * gamma^alpha, k_nope rows (in wkv_b) * gamma^(1-alpha),
   q_rope rows * gamma; the shared k_rope (in wkv_a) and the V rows are untouched.
 
-Weights may be DTensors with any nesting of ``Shard(0)`` / ``_StridedShard(0)`` (FSDP2, HSDP,
-tensor parallel, FSDP2 on top of tensor parallel): every rank scales the rows it holds, whatever
+Weights may be DTensors sharded by FSDP2, HSDP, tensor parallel or FSDP2 on top of tensor
+parallel (``Shard(0)`` / ``_StridedShard(0)``): every rank scales the rows it holds, whatever
 head they belong to, from a per-global-row factor vector. No communication, and no host read:
 rows of unclipped heads are multiplied by exactly 1.
 """
@@ -33,8 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from titan_muon.attention_logits import MaxLogitRecorder, query_projection
-from titan_muon.layout import count, held_ranges
+from titan_muon.attention_logits import MaxLogitRecorder, held_rows, query_projection
 from titan_muon.update import local_shard
 
 logger = logging.getLogger(__name__)
@@ -118,15 +117,12 @@ def _check_rows(name: str, linear: nn.Linear, expected: int) -> None:
 
 def scale_rows(t: Tensor, factors: Tensor) -> None:
     """Multiply the rows of ``t`` this rank holds by ``factors[global row]``, in place."""
-    ranges = held_ranges(t, 0)
+    start, stop = held_rows(t)
     local = local_shard(t)
-    if count(ranges) != local.shape[0]:
+    if stop - start != local.shape[0]:
         placements = getattr(t, "placements", None)
-        raise RuntimeError(f"QK-clip: local shard has {local.shape[0]} rows, expected global rows {ranges} ({placements})")
-    if not ranges:
-        return
-    mine = torch.cat([factors[start:end] for start, end in ranges]) if len(ranges) > 1 else factors[ranges[0][0] : ranges[0][1]]
-    local.mul_(mine.to(device=local.device, dtype=local.dtype).view(-1, *[1] * (local.dim() - 1)))
+        raise RuntimeError(f"QK-clip: local shard has {local.shape[0]} rows, expected global rows [{start}, {stop}) ({placements})")
+    local.mul_(factors[start:stop].to(device=local.device, dtype=local.dtype).view(-1, *[1] * (local.dim() - 1)))
 
 
 def apply_qk_clip(
