@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from titan_muon.layout import RankGrid, sharding_of
+from titan_muon.layout import local_block
 
 CPU_BLOCK_BYTES = 4 << 20
 """Logits per query block on CPU: 4 MiB (2^20 fp32 logits), the fastest size measured (docs/muonclip.md)."""
@@ -109,8 +109,7 @@ def held_rows(t: Tensor, dim: int = 0) -> tuple[int, int]:
         return 0, 0
     # Seen as a (length, 1) matrix: only the splits of `dim` move its rows.
     as_rows = [_rows_placement(p, dim) for p in t.placements]
-    sharding = sharding_of((t.shape[dim], 1), as_rows, tuple(t.device_mesh.shape), RankGrid([coordinate]))
-    return sharding.box(0)[1]
+    return local_block((t.shape[dim], 1), as_rows, tuple(t.device_mesh.shape), coordinate)[1]
 
 
 def _rows_placement(placement, dim: int):
