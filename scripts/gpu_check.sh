@@ -17,7 +17,7 @@ mkdir -p "$out"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/device.txt"
 python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a "$out/device.txt"
 
-python -m pytest -q tests/test_cuda.py tests/test_meta_device.py 2>&1 | tee "$out/tests.txt"
+python -m pytest -q tests/test_cuda.py tests/test_meta_device.py tests/test_clip_device.py 2>&1 | tee "$out/tests.txt"
 python scripts/bench_gpu.py | tee "$out/bench.md"
 
 for optimizer in muon adamw; do
