@@ -675,6 +675,13 @@ class Muon(Optimizer):
             self._metrics_read = {k: float(v) if not callable(v) else float(v()) for k, v in self._metrics.items()}
         return self._metrics_read
 
+    def local_state_bytes(self) -> int:
+        """Bytes of optimizer state this rank holds: AdamW moments, Muon momentum on its blocks
+        or, with momentum on the owners, the whole matrices it owns."""
+        tensors = [v for state in self.state.values() for v in state.values() if isinstance(v, Tensor)]
+        tensors += [v for block in self._owner_momentum.values() for v in block.values()]
+        return sum(local_shard(t).numel() * local_shard(t).element_size() for t in tensors if t.ndim > 0)
+
     # ------------------------------------------------------------ checkpoints
 
     def state_dict(self) -> dict:
