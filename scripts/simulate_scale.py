@@ -1,0 +1,827 @@
+"""titan_muon's ownership plan on real model shapes and up to 4096 ranks, simulated on one CPU.
+
+    python scripts/simulate_scale.py                  # every preset, W = 8 ... 4096; writes docs/scale.md
+    python scripts/simulate_scale.py --quick          # Llama-3 8B at W = 8 and 64, nothing written
+    python scripts/simulate_scale.py --verify-shapes  # also compare the presets with torchtitan's models
+
+No process group and no GPU. The plan (``plan.build_plan``), one rank's per-step tables
+(``plan.rank_schedule``) and every rank's traffic (``layout.Sharding.holders``) come from the
+functions the optimizer itself uses; the step's transient memory and an H100 step time are
+modelled from them with the formulas in ``peak_transient_bytes`` and ``Hardware``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import itertools
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.distributed.tensor import Replicate, Shard
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from titan_muon.layout import RankGrid, Sharding, sharding_of
+from titan_muon.newton_schulz import newton_schulz_flops
+from titan_muon.plan import BucketSchedule, Plan, Unit, assign_owners, build_plan, rank_schedule
+from titan_muon.redistribute import assemble, disassemble, local_views, pack, unpack
+from titan_muon.split import row_block_ranges
+
+ROOT = Path(__file__).resolve().parents[1]
+NS_STEPS = 5
+GPUS_PER_NODE = 8
+MUON_PATTERNS = ("*.moe.experts.*",)  # routed experts: (experts, out, in), one Muon matrix per expert
+ADAMW_PATTERNS = ("*.moe.router.*",)  # the router gate is 2-D but a classifier: AdamW
+
+
+# ------------------------------------------------------------------ model presets
+
+
+@dataclass(frozen=True)
+class Model:
+    """The Muon parameters of a model, in ``named_parameters()`` order, and its attention head blocks."""
+
+    name: str
+    params: tuple[tuple[str, tuple[int, ...]], ...]
+    head_rows: dict[str, int] = field(default_factory=dict)  # Split: FQN -> rows per head block
+
+    @property
+    def matrices(self) -> int:
+        return sum(shape[0] if len(shape) == 3 else 1 for _, shape in self.params)
+
+    @property
+    def elements(self) -> int:
+        return sum(int(np.prod(shape)) for _, shape in self.params)
+
+
+def llama3(name: str, dim: int, layers: int, heads: int, kv_heads: int, ffn: int) -> Model:
+    """torchtitan llama3: wq, wk, wv, wo, w1, w2, w3 per layer (ffn from multiple_of / ffn_dim_multiplier)."""
+    head_dim = dim // heads
+    params, head_rows = [], {}
+    for i in range(layers):
+        p = f"layers.{i}."
+        attention = {"wq": (heads * head_dim, dim), "wk": (kv_heads * head_dim, dim), "wv": (kv_heads * head_dim, dim)}
+        for key, shape in attention.items():
+            params.append((f"{p}attention.{key}.weight", shape))
+            head_rows[f"{p}attention.{key}.weight"] = head_dim
+        params.append((f"{p}attention.wo.weight", (dim, heads * head_dim)))
+        params += [(f"{p}feed_forward.w1.weight", (ffn, dim)), (f"{p}feed_forward.w2.weight", (dim, ffn))]
+        params.append((f"{p}feed_forward.w3.weight", (ffn, dim)))
+    return Model(name, tuple(params), head_rows)
+
+
+def deepseek_v3(
+    name: str, *, dim: int, inter: int, moe_inter: int, layers: int, dense_layers: int, heads: int,
+    experts: int, shared: int, q_lora: int, kv_lora: int, nope: int, rope: int, v: int,
+) -> Model:  # fmt: skip
+    """torchtitan deepseek_v3: MLA (wq_a, wq_b, wkv_a, wkv_b, wo), then a dense MLP or routed
+    experts (3-D) and a shared-expert MLP; the router gate goes to AdamW."""
+    params, head_rows = [], {}
+    for i in range(layers):
+        p = f"layers.{i}."
+        params += [(f"{p}attention.wq_a.weight", (q_lora, dim)), (f"{p}attention.wq_b.weight", (heads * (nope + rope), q_lora))]
+        params += [(f"{p}attention.wkv_a.weight", (kv_lora + rope, dim)), (f"{p}attention.wkv_b.weight", (heads * (nope + v), kv_lora))]
+        params.append((f"{p}attention.wo.weight", (dim, heads * v)))
+        head_rows[f"{p}attention.wq_b.weight"] = nope + rope
+        head_rows[f"{p}attention.wkv_b.weight"] = nope + v
+        if i < dense_layers:
+            mlp, hidden = f"{p}feed_forward.", inter
+        else:
+            params += [(f"{p}moe.experts.w1", (experts, moe_inter, dim)), (f"{p}moe.experts.w2", (experts, dim, moe_inter))]
+            params.append((f"{p}moe.experts.w3", (experts, moe_inter, dim)))
+            mlp, hidden = f"{p}moe.shared_experts.", shared * moe_inter
+        params += [(f"{mlp}w1.weight", (hidden, dim)), (f"{mlp}w2.weight", (dim, hidden)), (f"{mlp}w3.weight", (hidden, dim))]
+    return Model(name, tuple(params), head_rows)
+
+
+def _presets() -> dict[str, Model]:
+    mla = dict(dim=7168, inter=18432, moe_inter=2048, layers=61, shared=1, q_lora=1536, kv_lora=512, nope=128, rope=64, v=128)
+    return {
+        # torchtitan 0.2.2 llama3_args (ffn: 14336 / 28672 / 53248 from multiple_of and ffn_dim_multiplier)
+        "Llama-3 8B": llama3("Llama-3 8B", 4096, 32, 32, 8, 14336),
+        "Llama-3 70B": llama3("Llama-3 70B", 8192, 80, 64, 8, 28672),
+        "Llama-3 405B": llama3("Llama-3 405B", 16384, 126, 128, 8, 53248),
+        # torchtitan 0.2.2 deepseekv3_args["671B"]
+        "DeepSeek-V3 671B": deepseek_v3("DeepSeek-V3 671B", dense_layers=3, heads=128, experts=256, **mla),
+        # moonshotai/Kimi-K2 config.json: DeepSeek-V3 with 384 experts, 64 heads, first_k_dense_replace = 1
+        "Kimi-K2 1T": deepseek_v3("Kimi-K2 1T", dense_layers=1, heads=64, experts=384, **mla),
+    }
+
+
+PRESETS = _presets()
+
+
+def torchtitan_muon_params(name: str) -> list[tuple[str, tuple[int, ...]]]:
+    """The Muon parameters build_param_groups picks from torchtitan 0.2.2's model, built on meta."""
+    from torchtitan.models.deepseek_v3 import DeepSeekV3Model, deepseekv3_args
+    from torchtitan.models.llama3 import Transformer, llama3_args
+    from torchtitan.models.moe import MoEArgs
+
+    from titan_muon import build_param_groups
+
+    if name.startswith("Llama-3"):
+        model_cls, args = Transformer, llama3_args[name.split()[-1]]
+    else:
+        model_cls, args = DeepSeekV3Model, dataclasses.replace(deepseekv3_args["671B"])
+        if name.startswith("Kimi"):
+            moe = MoEArgs(num_experts=384, num_shared_experts=1, top_k=8, score_func="sigmoid", route_norm=True)
+            args = dataclasses.replace(args, n_heads=64, n_dense_layers=1, vocab_size=163840, moe_args=moe)
+        args.moe_impl = "standard"  # set by update_from_config in a real run
+    with torch.device("meta"):
+        model = model_cls(args)
+    groups = build_param_groups(model, adamw_patterns=ADAMW_PATTERNS, muon_patterns=MUON_PATTERNS)
+    muon = next(g for g in groups if g["use_muon"])
+    return [(n, tuple(p.shape)) for n, p in zip(muon["param_names"], muon["params"])]
+
+
+# ------------------------------------------------------------------ layouts and units
+
+
+@dataclass(frozen=True)
+class Layout:
+    """FSDP over all W ranks (``shard_group=None``) or HSDP: replicas of a ``shard_group``-rank
+    FSDP group. Muon plans over the ranks that shard a parameter, so with HSDP each shard
+    group runs the whole plan: the W / shard_group replicas repeat the same Newton–Schulz work."""
+
+    shard_group: int | None = None
+
+    @property
+    def name(self) -> str:
+        return "FSDP" if self.shard_group is None else f"HSDP {self.shard_group}"
+
+    def group_size(self, world: int) -> int:
+        return world if self.shard_group is None else self.shard_group
+
+    def shardings(self, model: Model, world: int) -> list[Sharding]:
+        """Every parameter Shard(0) over the group (FSDP2's default, experts included: without
+        EP torchtitan shards routed experts like any parameter, on the expert dimension)."""
+        group = self.group_size(world)
+        if self.shard_group is None:
+            mesh, placements, grid = (group,), [Shard(0)], RankGrid([(g,) for g in range(group)])
+        else:
+            mesh, placements = (world // group, group), [Replicate(), Shard(0)]
+            grid = RankGrid([(0, g) for g in range(group)])  # shard group 0; the others are alike
+        by_shape: dict[tuple[int, ...], Sharding] = {}  # shared objects make holder lookups cacheable
+        for _, shape in model.params:
+            if shape not in by_shape:
+                by_shape[shape] = sharding_of(shape, placements, mesh, grid)
+        return [by_shape[shape] for _, shape in model.params]
+
+
+def units_of(model: Model, split_heads: bool = False) -> list[Unit]:
+    """The optimizer's units: parameters in reverse order (backward's), one per matrix, or one
+    per attention head block with Split."""
+    units = []
+    for index in reversed(range(len(model.params))):
+        name, shape = model.params[index]
+        matrices, rows, cols = (1, *shape) if len(shape) == 2 else shape
+        block = model.head_rows.get(name, rows) if split_heads else rows
+        for m in range(matrices):
+            units += [Unit(index, m, start, end, cols) for start, end in row_block_ranges(rows, block, name)]
+    return units
+
+
+def ns_flops(unit: Unit) -> int:
+    return newton_schulz_flops(unit.rows, unit.cols, NS_STEPS)
+
+
+def node_of(group_rank: int) -> int:
+    """Node of a group rank: FSDP ranks, and the ranks of HSDP shard group 0, are consecutive
+    global ranks (torchtitan's mesh puts dp_shard innermost), 8 GPUs per node."""
+    return group_rank // GPUS_PER_NODE
+
+
+# ------------------------------------------------------------------ traffic
+
+
+@dataclass
+class Traffic:
+    """Elements each rank sends and receives on the outbound trip, to and from peers on its own
+    node and on other nodes. The return trip is its mirror image (owners send every piece back)."""
+
+    sent_near: np.ndarray
+    sent_far: np.ndarray
+    received_near: np.ndarray
+    received_far: np.ndarray
+
+    @property
+    def sent(self) -> np.ndarray:
+        return self.sent_near + self.sent_far
+
+    @property
+    def received(self) -> np.ndarray:
+        return self.received_near + self.received_far
+
+    @property
+    def per_step(self) -> np.ndarray:
+        """Elements each rank puts on the wire per step: outbound plus return trip (= plan.elements_sent)."""
+        return self.sent + self.received
+
+
+def traffic(units: Sequence[Unit], owners: Sequence[int], shardings: Sequence[Sharding], group: int) -> Traffic:
+    """Every unit's pieces go from their holders to the owner (nothing for the owner's own piece)."""
+    sent = np.zeros((2, group), dtype=np.int64)  # [near, far]
+    received = np.zeros((2, group), dtype=np.int64)
+    nodes = np.arange(group) // GPUS_PER_NODE
+    pieces: dict[tuple[int, tuple], tuple[np.ndarray, np.ndarray]] = {}
+    for unit, owner in zip(units, owners):
+        sharding = shardings[unit.param]
+        key = (id(sharding), unit.box)
+        if key not in pieces:
+            held = [(rank, _numel(box)) for rank, box in sharding.holders(unit.box)]
+            pieces[key] = (np.array([r for r, _ in held], dtype=np.int64), np.array([n for _, n in held], dtype=np.int64))
+        ranks, numels = pieces[key]
+        if len(ranks) == 1:  # the common case for experts: one holder
+            rank, numel = int(ranks[0]), int(numels[0])
+            if rank != owner:
+                far = int(node_of(rank) != node_of(owner))
+                sent[far, rank] += numel
+                received[far, owner] += numel
+            continue
+        away = ranks != owner
+        far = (nodes[ranks] != nodes[owner]) & away
+        near = away & ~far
+        sent[0, ranks[near]] += numels[near]  # holders are distinct ranks: plain fancy indexing adds once each
+        sent[1, ranks[far]] += numels[far]
+        received[0, owner] += int(numels[near].sum())
+        received[1, owner] += int(numels[far].sum())
+    return Traffic(sent[0], sent[1], received[0], received[1])
+
+
+def _numel(box) -> int:
+    n = 1
+    for lo, hi in box:
+        n *= hi - lo
+    return n
+
+
+# ------------------------------------------------------------------ hardware model
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """H100 SXM assumptions for the step-time estimate (all overridable on the command line).
+
+    NS runs at ``ns_efficiency`` x 989 TFLOP/s (bf16 dense). An all-to-all moves each rank's
+    same-node bytes over NVLink and its other-node bytes over InfiniBand at the same time; a
+    trip takes the slowest rank's max(sent, received) per link. Each collective adds a fixed
+    ``latency``. Compute and communication are added, not overlapped (the bucket window
+    overlaps them in reality, so this errs high).
+    """
+
+    bf16_flops: float = 989e12
+    ns_efficiency: float = 0.6
+    nvlink_bytes_per_s: float = 360e9  # 80 % of NVLink 4's 450 GB/s per direction per GPU
+    ib_bytes_per_s: float = 40e9  # 80 % of one 400 Gb/s NDR NIC per GPU
+    latency_s: float = 30e-6  # per collective
+
+    def ns_seconds(self, flops: float) -> float:
+        return flops / (self.bf16_flops * self.ns_efficiency)
+
+    def trip_seconds(self, t: Traffic, wire: int) -> float:
+        near = np.maximum(t.sent_near, t.received_near) * wire / self.nvlink_bytes_per_s
+        far = np.maximum(t.sent_far, t.received_far) * wire / self.ib_bytes_per_s
+        return float(np.maximum(near, far).max()) if len(near) else 0.0
+
+    def all_gather_seconds(self, elements: int, group: int, wire: int) -> float:
+        """Ring all-gather of `elements` in total: each rank moves (group-1)/group of them,
+        over NVLink within a node, else limited by InfiniBand."""
+        link = self.nvlink_bytes_per_s if group <= GPUS_PER_NODE else self.ib_bytes_per_s
+        return elements * wire * (group - 1) / group / link
+
+
+# ------------------------------------------------------------------ memory model
+
+
+def peak_transient_bytes(
+    schedules: Sequence[BucketSchedule], units: Sequence[Unit], window: int, wire: int, ns: int, overlap: bool
+) -> int:
+    """Upper bound of the step's transient memory on one rank, from its tables (optimizer.py).
+
+    Per bucket b: S_b elements this rank sends (its pieces, its own included), R_b elements it
+    receives (the pieces of the matrices it owns); ``wire`` / ``ns`` bytes per element on the
+    wire / in Newton–Schulz. Without overlap, while bucket b is orthogonalized:
+
+      exchange(b) = wire·Σ_{j=b}^{b+window-1} (S_j + R_j)   outbound buffers in flight (send + receive)
+                  + 4·S_{b+window-1}                        fp32 Nesterov pieces of the bucket being packed
+                  + wire·Σ_{j=b-window}^{b} R_j             return-trip send buffers in flight
+                  + NS(b)                                   R_b·(2·ns + 4) + 2·ns·Σ_owned min(m, n)²
+                                                            (input, iterate, fp32 result; Gram and its square)
+      held        = wire·Σ_b S_b                            returned updates: views of the return buffers,
+                                                            kept until the commit
+      commit      = held + 4·Σ_b S_b   if wire ≠ 4         the commit casts a group's updates to the fp32
+                                                            parameters all at once
+      peak        = max(held + max_b exchange(b), commit)
+
+    With overlap (momentum on the owners), backward already left every bucket's send and
+    receive buffers, alive until step() has waited for them (wire·Σ(S + R)), the owners keep
+    the new fp32 momentum of every matrix they own until the commit (4·ΣR), and nothing is
+    packed in step(): peak = wire·Σ(S + R) + 4·ΣR + max(max_b [wire·Σ_{j=b-window}^{b} R_j + NS(b)], 4·ΣS).
+    """
+    send = [sum(p.numel for p in s.outbound) for s in schedules]  # = send_numel, without summing W counts
+    recv = [sum(p.numel for p in s.inbound) for s in schedules]
+    squares = [sum(min(units[u].shape) ** 2 for u in s.owned) for s in schedules]
+    ns_bytes = [r * (2 * ns + 4) + 2 * ns * q for r, q in zip(recv, squares)]
+    total_send, total_recv = sum(send), sum(recv)
+    cast = 4 * total_send if wire != 4 else 0
+    n = len(schedules)
+    returning = [wire * sum(recv[max(0, b - window) : b + 1]) for b in range(n)]
+    if overlap:
+        during = max((returning[b] + ns_bytes[b] for b in range(n)), default=0)
+        return wire * (total_send + total_recv) + 4 * total_recv + max(during, cast)
+    exchange = 0
+    for b in range(n):
+        ahead = range(b, min(n, b + window))
+        outbound = wire * sum(send[j] + recv[j] for j in ahead) + 4 * send[ahead[-1]]
+        exchange = max(exchange, outbound + returning[b] + ns_bytes[b])
+    held = wire * total_send
+    return max(held + exchange, held + cast)
+
+
+# ------------------------------------------------------------------ host time per step
+
+
+def walk_tables(schedules: Sequence[BucketSchedule], units: Sequence[Unit]) -> int:
+    """Read every table entry step() reads: outbound pieces when packing and unpacking,
+    inbound pieces when assembling and disassembling, the owned units, the split sizes."""
+    touched = 0
+    for schedule in schedules:
+        for piece in schedule.outbound:  # _send / _outbound_source, then _receive_updates / unpack
+            touched += units[piece.unit].param + piece.local[2] + piece.offset + piece.numel
+        for piece in schedule.inbound:  # assemble, then disassemble
+            touched += piece.unit + piece.rows[1] + piece.cols[1] + piece.offset + piece.numel
+        touched += len(schedule.owned) + len(schedule.send_counts) + len(schedule.recv_counts)
+    return touched
+
+
+def split_lists(schedules: Sequence[BucketSchedule], rank: int, itemsize: int) -> int:
+    """What transport.all_to_all computes from the counts on every call (two trips per bucket):
+    byte split lists and byte totals, O(W) Python per call."""
+    total = 0
+    for schedule in schedules:
+        for send, recv in ((schedule.send_counts, schedule.recv_counts), (schedule.recv_counts, schedule.send_counts)):
+            total += sum(recv) * itemsize + itemsize * (sum(send) - send[rank]) + itemsize * (sum(recv) - recv[rank])
+            total += len([c * itemsize for c in recv]) + len([c * itemsize for c in send])
+    return total
+
+
+def redistribute_on_meta(schedules: Sequence[BucketSchedule], units: Sequence[Unit], stacks: dict[int, torch.Tensor]) -> None:
+    """step()'s calls into redistribute.py for one rank, on meta tensors (shapes only): every
+    view, cat and cast the host dispatches, without data."""
+    key_of = lambda u: units[u].shape  # noqa: E731 - one group of settings
+    for schedule in schedules:
+        send = pack(local_views(schedule.outbound, lambda p: stacks[units[p.unit].param]), torch.bfloat16, "meta")
+        received = torch.empty(sum(p.numel for p in schedule.inbound), dtype=send.dtype, device="meta")
+        results = {}
+        for batch in assemble(schedule, received, units, key_of, torch.bfloat16):
+            results.update(zip(batch.units, batch.matrices.unbind(0)))
+        back = disassemble(schedule, results, torch.bfloat16, "meta")
+        unpack(schedule, torch.empty(send.numel(), dtype=back.dtype, device="meta"))
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the aten ops dispatched inside it (a stand-in for a GPU step's host-side launches)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def seconds(fn, *args, repeat: int = 1) -> float:
+    best = float("inf")
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn(*args)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+# ------------------------------------------------------------------ one configuration
+
+
+SCHEMES = ("titan_muon", "DistMuon-like", "gather-everything")
+
+
+@dataclass
+class Row:
+    model: str
+    world: int
+    layout: str
+    scheme: str
+    group: int
+    units: int
+    buckets: int
+    ns: np.ndarray  # NS FLOPs per group rank
+    ns_total: int  # sum over units
+    biggest_unit: int  # NS FLOPs of the costliest unit
+    per_step: np.ndarray  # elements on the wire per rank and step
+    trip_s: float  # one all-to-all trip (bf16), or the all-gather
+    collectives: int
+    overlap_possible: bool
+    plan_s: float = float("nan")
+    schedule_s: float = float("nan")
+    host_tables_ms: float = float("nan")
+    host_splits_ms: float = float("nan")
+    aten_ops: int = 0
+    peak_bytes: int = 0
+    peak_overlap_bytes: int = 0
+    sent_total: int = 0
+    received_total: int = 0
+    idle: int = 0
+    owners: int = 0
+
+    @property
+    def ns_mean(self) -> float:
+        return float(self.ns.mean())
+
+    @property
+    def imbalance(self) -> float:
+        return float(self.ns.max()) / self.ns_mean if self.ns_mean else 1.0
+
+    @property
+    def bound(self) -> float:
+        """The best NS max/mean any whole-unit plan can reach: the costliest unit is indivisible."""
+        return max(1.0, self.biggest_unit / self.ns_mean) if self.ns_mean else 1.0
+
+    def vs_ideal(self, world: int) -> float:
+        """Busiest rank's NS over the total spread evenly on all W ranks (HSDP replicas repeat it)."""
+        return float(self.ns.max()) / (self.ns_total / world)
+
+
+def plan_for(
+    scheme: str, units: list[Unit], shardings: list[Sharding], group: int, bucket_bytes: int
+) -> tuple[Plan, float]:
+    start = time.perf_counter()
+    plan = build_plan(units, shardings, group, bucket_bytes)
+    if scheme == "DistMuon-like":
+        # torchtitan's DistMuon: greedy LPT on ns·s²·(2l+s) (proportional to NS FLOPs), owners
+        # chosen on load alone, one packed all_to_all out and one back per bucket.
+        owners = assign_owners([ns_flops(u) for u in units], group)
+        plan = Plan(plan.world_size, plan.units, tuple(owners), plan.buckets)
+    plan.fingerprint()  # the constructor checks it across ranks
+    return plan, time.perf_counter() - start
+
+
+def simulate(
+    model: Model,
+    world: int,
+    layout: Layout,
+    scheme: str,
+    *,
+    bucket_bytes: int,
+    window: int,
+    hardware: Hardware,
+    split_heads: bool = False,
+    host: bool = True,
+    check: bool = False,
+) -> Row:
+    group = layout.group_size(world)
+    units = units_of(model, split_heads)
+    costs = [ns_flops(u) for u in units]
+    shardings = layout.shardings(model, world)
+    common = dict(model=model.name, world=world, layout=layout.name, scheme=scheme, group=group, units=len(units))
+    common |= dict(ns_total=sum(costs), biggest_unit=max(costs))
+    if scheme == "gather-everything":
+        elements = model.elements
+        held = np.zeros(group, dtype=np.int64)
+        for sharding in {id(s): s for s in shardings}.values():
+            count = sum(s is sharding for s in shardings)
+            held += count * np.array([_numel(sharding.box(r)) for r in range(group)], dtype=np.int64)
+        per_rank = elements - held
+        buckets = -(-4 * elements // bucket_bytes)
+        row = Row(**common, buckets=buckets, ns=np.full(group, sum(costs)), per_step=2 * per_rank,
+                  trip_s=hardware.all_gather_seconds(elements, group, 2), collectives=buckets, overlap_possible=False)  # fmt: skip
+        row.sent_total = row.received_total = int(per_rank.sum())
+        row.owners = group
+        return row
+
+    plan, plan_s = plan_for(scheme, units, shardings, group, bucket_bytes)
+    loads = np.zeros(group, dtype=np.int64)
+    np.add.at(loads, np.array(plan.owners), np.array(costs, dtype=np.int64))
+    moved = traffic(plan.units, plan.owners, shardings, group)
+    row = Row(**common, buckets=len(plan.buckets), ns=loads, per_step=moved.per_step, trip_s=hardware.trip_seconds(moved, 2),
+              collectives=2 * len(plan.buckets) + (2 if scheme == "titan_muon" else 0),
+              overlap_possible=scheme == "titan_muon", plan_s=plan_s)  # fmt: skip
+    row.sent_total, row.received_total = int(moved.sent.sum()), int(moved.received.sum())
+    row.owners = len(set(plan.owners))
+    row.idle = group - row.owners
+    if not host:
+        return row
+
+    busiest = int(loads.argmax())
+    measured = sorted({0, busiest})  # rank 0 holds the largest shard (torch.chunk), `busiest` the most NS work
+    start = time.perf_counter()
+    schedules = {r: rank_schedule(plan, shardings, r) for r in measured}
+    row.schedule_s = (time.perf_counter() - start) / len(measured)
+    if check:
+        _check_against_schedules(plan, shardings, schedules, moved)
+    row.host_tables_ms = 1e3 * max(seconds(walk_tables, schedules[r], plan.units, repeat=3) for r in measured)
+    row.host_splits_ms = 1e3 * max(_split_lists_seconds(schedules[r], r) for r in measured)
+    row.aten_ops = max(aten_ops(schedules[r], plan.units, shardings, r) for r in measured)
+    row.peak_bytes = max(peak_transient_bytes(schedules[r], plan.units, window, 2, 2, False) for r in measured)
+    row.peak_overlap_bytes = max(peak_transient_bytes(schedules[r], plan.units, window, 2, 2, True) for r in measured)
+    return row
+
+
+def _split_lists_seconds(schedules: Sequence[BucketSchedule], rank: int, sample: int = 200) -> float:
+    """Timed on up to `sample` buckets and scaled to all (the cost per bucket is the same: O(W))."""
+    part = schedules[:sample]
+    return seconds(split_lists, part, rank, 2, repeat=2) * len(schedules) / max(1, len(part))
+
+
+def aten_ops(schedules: Sequence[BucketSchedule], units, shardings: Sequence[Sharding], rank: int) -> int:
+    """aten ops of step()'s redistribute calls for one rank. Buckets the rank takes no part in
+    (most of them for MoE models at large W) all cost the same: one is counted for all."""
+    stacks = {}
+    for index, sharding in enumerate(shardings):
+        box = sharding.box(rank)
+        stacks[index] = torch.empty(*(hi - lo for lo, hi in box), dtype=torch.float32, device="meta")
+    active = [s for s in schedules if s.outbound or s.inbound]
+    idle = [s for s in schedules if not (s.outbound or s.inbound)]
+    with OpCounter() as counter:
+        redistribute_on_meta(active, units, stacks)
+    with OpCounter() as per_idle_bucket:
+        redistribute_on_meta(idle[:1], units, stacks)
+    return counter.ops + per_idle_bucket.ops * len(idle)
+
+
+def _check_against_schedules(plan: Plan, shardings, schedules: dict[int, tuple[BucketSchedule, ...]], moved: Traffic) -> None:
+    """The holder-based traffic equals what the measured ranks' tables send and receive."""
+    for r, tables in schedules.items():
+        sent = sum(s.send_numel - s.send_counts[r] for s in tables)
+        received = sum(s.recv_numel - s.recv_counts[r] for s in tables)
+        assert (sent, received) == (int(moved.sent[r]), int(moved.received[r])), (r, sent, received)
+
+
+# ------------------------------------------------------------------ report
+
+
+def gib(n: float) -> str:
+    return f"{n / 2**30:.2f}"
+
+
+def ms(s: float) -> str:
+    return "–" if s != s else (f"{s * 1e3:.0f}" if s >= 0.1 else f"{s * 1e3:.1f}")
+
+
+def goal(row: Row) -> str:
+    """NS max/mean ≤ 1.1 whenever units ≥ 4 × group ranks."""
+    if row.units < 4 * row.group:
+        return "n/a"
+    if row.imbalance <= 1.1:
+        return "met"
+    return "missed (bound)" if row.bound > 1.1 else "missed"
+
+
+def step_seconds(row: Row, hardware: Hardware, overlap: bool = False) -> float:
+    ns = hardware.ns_seconds(float(row.ns.max()))
+    if row.scheme == "gather-everything":
+        return ns + row.trip_s + row.collectives * hardware.latency_s
+    trips = 1 if overlap else 2
+    return ns + trips * row.trip_s + row.collectives * hardware.latency_s
+
+
+def plan_table(rows: Sequence[Row]) -> list[str]:
+    lines = [
+        "| model | W | layout | units | buckets | idle ranks | NS max/mean | bound | goal | GB sent/rank max / mean (bf16) | "
+        "collectives | peak transient GiB (overlap) | plan s | tables s | host ms/step: tables + splits | aten ops/step |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---|---|---:|---|---:|---:|---|",
+    ]
+    for r in rows:
+        sent = f"{r.per_step.max() * 2 / 1e9:.2f} / {r.per_step.mean() * 2 / 1e9:.2f}"
+        host = f"{r.host_tables_ms:.1f} + {r.host_splits_ms:.1f} | {r.aten_ops}"
+        lines.append(
+            f"| {r.model} | {r.world} | {r.layout} | {r.units} | {r.buckets} | {r.idle} | {r.imbalance:.2f} | {r.bound:.2f} | "
+            f"{goal(r)} | {sent} | {r.collectives} | {gib(r.peak_bytes)} ({gib(r.peak_overlap_bytes)}) | {r.plan_s:.2f} | "
+            f"{r.schedule_s:.2f} | {host} |"
+        )
+    return lines
+
+
+def step_table(groups: Sequence[Sequence[Row]], hardware: Hardware) -> list[str]:
+    lines = [
+        "| model | W | titan_muon NS ms | titan_muon comm ms (2 trips) | titan_muon step ms | with overlap | "
+        "DistMuon-like NS / step ms | DistMuon-like GB/rank max | gather-everything NS / step ms | gather GB/rank |",
+        "|---|---:|---:|---:|---:|---:|---|---:|---|---:|",
+    ]
+    for titan, dist, gather in groups:
+        lines.append(
+            f"| {titan.model} | {titan.world} | {ms(hardware.ns_seconds(titan.ns.max()))} | {ms(2 * titan.trip_s)} | "
+            f"{ms(step_seconds(titan, hardware))} | {ms(step_seconds(titan, hardware, overlap=True))} | "
+            f"{ms(hardware.ns_seconds(dist.ns.max()))} / {ms(step_seconds(dist, hardware))} | {dist.per_step.max() * 2 / 1e9:.2f} | "
+            f"{ms(hardware.ns_seconds(gather.ns.max()))} / {ms(step_seconds(gather, hardware))} | {gather.per_step.max() * 2 / 1e9:.2f} |"
+        )
+    return lines
+
+
+def options_table(rows: Sequence[tuple[str, Row]], hardware: Hardware) -> list[str]:
+    lines = [
+        "| model | W | option | units | idle ranks | NS max/mean | NS max / (total/W) | busiest NS ms | GB sent/rank max | step ms (overlap) |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for option, r in rows:
+        lines.append(
+            f"| {r.model} | {r.world} | {option} | {r.units} | {r.idle} | {r.imbalance:.2f} | {r.vs_ideal(r.world):.2f} | "
+            f"{ms(hardware.ns_seconds(r.ns.max()))} | {r.per_step.max() * 2 / 1e9:.2f} | {ms(step_seconds(r, hardware))}"
+            + (f" ({ms(step_seconds(r, hardware, overlap=True))})" if r.overlap_possible else "")
+            + " |"
+        )
+    return lines
+
+
+# ------------------------------------------------------------------ main
+
+
+@dataclass
+class Config:
+    models: list[str]
+    worlds: list[int]
+    hsdp: list[int]  # shard group sizes
+    option_worlds: list[int]  # W at which the balancing options are compared
+    scaled_worlds: list[int]  # W at which buckets of bucket_mb × W / 8 are simulated too
+    bucket_mb: float = 64.0
+    window: int = 2
+
+
+FULL = Config(list(PRESETS), [8, 64, 256, 1024, 4096], [8, 64], [1024, 4096], [1024, 4096])
+QUICK = Config(["Llama-3 8B"], [8, 64], [8], [64], [64])
+
+
+def run(config: Config, hardware: Hardware, *, check: bool = False, log=print) -> dict[str, list]:
+    """Every table's rows; `check` compares the traffic with the measured ranks' tables."""
+    bucket_bytes = int(config.bucket_mb * 2**20)
+    kw = dict(bucket_bytes=bucket_bytes, window=config.window, hardware=hardware, check=check)
+    out: dict[str, list] = {"plan": [], "step": [], "options": [], "scaled": []}
+    scaled_kw = kw | dict(bucket_bytes=0)
+    for name in config.models:
+        model = PRESETS[name]
+        for world in config.worlds:
+            start = time.perf_counter()
+            titan = simulate(model, world, Layout(), "titan_muon", **kw)
+            dist = simulate(model, world, Layout(), "DistMuon-like", host=False, **kw)
+            gather = simulate(model, world, Layout(), "gather-everything", **kw)
+            out["plan"].append(titan)
+            out["step"].append((titan, dist, gather))
+            if world in config.option_worlds:
+                options = [("whole matrices, byte-aware LPT (default)", titan), ("whole matrices, LPT on NS FLOPs only", dist)]
+                options.append(("Split: attention head blocks", simulate(model, world, Layout(), "titan_muon", split_heads=True, host=False, **kw)))
+                for size in config.hsdp:
+                    if size < world:
+                        options.append((f"HSDP, shard group {size}", simulate(model, world, Layout(size), "titan_muon", host=False, **kw)))
+                out["options"] += options
+            if world in config.scaled_worlds:
+                scaled_kw["bucket_bytes"] = bucket_bytes * world // 8
+                out["scaled"].append(simulate(model, world, Layout(), "titan_muon", **scaled_kw))
+            log(f"{name} W={world}: {time.perf_counter() - start:.1f} s")
+        for size in config.hsdp:  # independent of W: each shard group plans alone
+            out["plan"].append(simulate(model, max(config.worlds + [size]), Layout(size), "titan_muon", **kw))
+    return out
+
+
+def render(out: dict[str, list], config: Config, hardware: Hardware, command: str, elapsed: float) -> str:
+    machine = _cpu_name()
+    date = datetime.date.today().isoformat()
+    h = hardware
+    text = f"""# titan_muon at scale (simulated)
+
+`{command}` on {machine} (2 cores, shared), {date}, torch {torch.__version__}; full run {elapsed:.0f} s.
+Written by `scripts/simulate_scale.py`; invariants checked by `tests/test_simulate_scale.py`.
+
+No GPU and no process group: the plan (`plan.build_plan`), per-rank tables
+(`plan.rank_schedule`) and every rank's traffic (`Sharding.holders`) come from the functions
+the optimizer runs. Buckets of {config.bucket_mb:g} MiB (the default `bucket_size_mb`),
+`buckets_in_flight` = {config.window}, bf16 on the wire and in Newton–Schulz (the GPU
+default `"auto"`); fp32 on the wire doubles every byte figure.
+
+**What is simulated.** The Muon matrices `build_param_groups` picks: attention, dense and
+shared-expert MLPs, and routed experts as one `(experts, out, in)` stack each, one matrix
+per expert (passed to Muon with `muon_patterns={list(MUON_PATTERNS)}`; the 2-D router gate is
+kept in AdamW with `adamw_patterns={list(ADAMW_PATTERNS)}`). Embeddings, output head, norms
+and router are AdamW and not simulated. Shapes come from torchtitan 0.2.2's `llama3_args`
+and `deepseekv3_args["671B"]`, and Kimi-K2's published config (DeepSeek-V3 with 384
+experts, 64 heads, one dense layer); `--verify-shapes` builds each model on `meta` and
+compares every Muon parameter's name and shape.
+
+**Layouts.** FSDP: every parameter `Shard(0)` over all W ranks — routed experts too: without
+EP torchtitan 0.2.2 shards experts with their transformer block on the expert dimension, so
+at W > experts the ranks past the expert count hold no expert. (With EP, experts are
+`Shard(0)` over `ep` and FSDP'd over `efsdp` with `Shard(0)`, or `Shard(1)` once
+efsdp·ep > experts; for Muon that is the same contiguous expert blocks as long as experts ≥ W —
+a possible follow-up column.) HSDP: `(Replicate, Shard(0))` with a shard group of 8 (one node)
+or 64 ranks; Muon plans over the shard group, so every replica repeats the same NS work and
+the figures do not depend on W. 8 GPUs per node; FSDP ranks and shard groups are consecutive.
+
+**Schemes.** *titan_muon*: whole-matrix owners by LPT on NS FLOPs, byte-aware (a holder of
+the matrix wins when its load stays within 5 % of the mean of the least loaded). *DistMuon-like*
+(torchtitan main's `DistMuon`): its LPT cost ns·s²·(2l+s) is proportional to NS FLOPs, so
+the same LPT without the byte-aware choice, same buckets, one all-to-all out and one back
+per bucket, no overlap with backward. *gather-everything*: every rank all-gathers every
+matrix and runs all NS itself.
+
+**Step-time model** (H100 SXM): NS of the busiest owner at {h.ns_efficiency:.0%} of
+{h.bf16_flops / 1e12:.0f} TFLOP/s bf16; an all-to-all trip takes the slowest rank's
+max(sent, received) bytes, same-node bytes over NVLink at {h.nvlink_bytes_per_s / 1e9:.0f} GB/s
+and other-node bytes over InfiniBand at {h.ib_bytes_per_s / 1e9:.0f} GB/s per GPU at the same time;
+all-gather: ring, (g−1)/g of the bytes per rank at NVLink speed within a node, else IB;
+{h.latency_s * 1e6:.0f} µs per collective; compute and communication added (the window overlaps
+them in reality). *With overlap*: the outbound trip leaves during backward (only gradients
+travel) and is not counted. FSDP's own collectives, AdamW and the element-wise update are
+not included.
+
+**Peak transient bytes** per rank (the larger of rank 0, which holds the largest shard, and
+the busiest owner), from `peak_transient_bytes` in the script, with S_b / R_b the elements a
+rank sends / receives in bucket b:
+held = 2·ΣS (returned updates are views of the return buffers, kept until the commit);
+exchange(b) = 2·Σ_(window ahead)(S+R) + 4·S (fp32 Nesterov pieces being packed) + 2·Σ_(window behind)R
+(return sends) + NS(b) = R_b·(2·2+4) + 2·2·Σ min(m,n)²; commit = held + 4·ΣS (updates cast to the
+fp32 parameters a group at once); peak = max(held + max_b exchange(b), commit). With overlap:
+2·Σ(S+R) (backward's buffers, alive until step() waits) + 4·ΣR (owners' new momentum until the
+commit) + max(return window + NS, 4·ΣS).
+
+**Host time per step** (what step() reads on the host from the precomputed tables), for the
+slower of rank 0 and the busiest owner: *tables* walks every piece, count and owned unit the
+step reads; *splits* is what `transport.all_to_all` recomputes per call from the counts (byte
+split lists and sums, O(W) Python per call, two calls per bucket; timed on ≤ 200 buckets and
+scaled). *aten ops/step*: step()'s `pack`/`assemble`/`disassemble`/`unpack` calls run on
+`meta` tensors under an op counter — the tensor ops a GPU step dispatches from the host for
+redistribution (transport's buffer views and the collectives themselves not included).
+*plan s*: `build_plan` + fingerprint; *tables s*: one rank's `rank_schedule`.
+
+"""
+    text += "## Plans, traffic, memory and host time (FSDP rows per W; HSDP rows hold for any W)\n\n"
+    text += "\n".join(plan_table(out["plan"])) + "\n\n"
+    text += "*bound*: the lowest NS max/mean any whole-matrix plan can reach (the costliest unit / the mean). "
+    text += "*goal*: NS max/mean ≤ 1.1 whenever units ≥ 4 × ranks (`n/a`: fewer units); `missed (bound)`: no whole-matrix plan can meet it.\n\n"
+    text += "## Estimated H100 optimizer step, side by side (FSDP, bf16)\n\n"
+    text += "\n".join(step_table(out["step"], hardware)) + "\n\n"
+    text += f"## Buckets that grow with W: bucket_size_mb = {config.bucket_mb:g} × W / 8\n\n"
+    text += "\n".join(plan_table(out["scaled"])) + "\n\n"
+    text += "## When whole matrices cannot balance: options\n\n"
+    text += "\n".join(options_table(out["options"], hardware)) + "\n\n"
+    return text
+
+
+def _cpu_name() -> str:
+    try:
+        for line in subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout.splitlines():
+            if line.startswith("Model name"):
+                return line.split(":", 1)[1].strip()
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def verify_shapes(names: Sequence[str]) -> None:
+    for name in names:
+        expected = list(PRESETS[name].params)
+        actual = torchtitan_muon_params(name)
+        if actual != expected:
+            diff = next(i for i, (a, b) in enumerate(itertools.zip_longest(actual, expected)) if a != b)
+            raise SystemExit(f"{name}: preset differs from torchtitan at parameter {diff}: {actual[diff:diff + 1]} vs {expected[diff:diff + 1]}")
+        print(f"{name}: {len(actual)} Muon parameters match torchtitan 0.2.2")
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="Llama-3 8B at W = 8 and 64 only; writes nothing")
+    parser.add_argument("--verify-shapes", action="store_true", help="compare the presets with torchtitan's models built on meta")
+    parser.add_argument("--bucket-mb", type=float, default=64.0)
+    parser.add_argument("--buckets-in-flight", type=int, default=2)
+    parser.add_argument("--ns-efficiency", type=float, default=Hardware.ns_efficiency)
+    parser.add_argument("--nvlink-gbps", type=float, default=Hardware.nvlink_bytes_per_s / 1e9, help="GB/s per GPU per direction")
+    parser.add_argument("--ib-gbps", type=float, default=Hardware.ib_bytes_per_s / 1e9, help="GB/s per GPU per direction")
+    parser.add_argument("--latency-us", type=float, default=Hardware.latency_s * 1e6)
+    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "scale.md")
+    args = parser.parse_args(argv)
+    config = QUICK if args.quick else FULL
+    config.bucket_mb, config.window = args.bucket_mb, args.buckets_in_flight
+    hardware = Hardware(ns_efficiency=args.ns_efficiency, nvlink_bytes_per_s=args.nvlink_gbps * 1e9,
+                        ib_bytes_per_s=args.ib_gbps * 1e9, latency_s=args.latency_us * 1e-6)  # fmt: skip
+    if args.verify_shapes:
+        verify_shapes(config.models)
+    start = time.perf_counter()
+    out = run(config, hardware, check=args.quick)
+    elapsed = time.perf_counter() - start
+    command = "python scripts/simulate_scale.py" + ("".join(f" {a}" for a in (argv if argv is not None else sys.argv[1:])))
+    text = render(out, config, hardware, command.strip(), elapsed)
+    if args.quick:
+        print(text)
+    else:
+        args.out.write_text(text)
+        print(f"wrote {args.out} ({elapsed:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
