@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import itertools
 import platform
 import subprocess
@@ -27,11 +28,12 @@ from pathlib import Path
 import numpy as np
 import torch
 from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from titan_muon.layout import RankGrid, Sharding, sharding_of
 from titan_muon.newton_schulz import newton_schulz_flops
-from titan_muon.plan import BucketSchedule, Plan, Unit, assign_owners, build_plan, rank_schedule
+from titan_muon.plan import BucketSchedule, Plan, Unit, assign_owners, build_plan, make_buckets, rank_schedule
 from titan_muon.redistribute import assemble, disassemble, local_views, pack, unpack
 from titan_muon.split import row_block_ranges
 
@@ -45,7 +47,7 @@ ADAMW_PATTERNS = ("*.moe.router.*",)  # the router gate is 2-D but a classifier:
 # ------------------------------------------------------------------ model presets
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # compared and hashed by identity: one object per preset
 class Model:
     """The Muon parameters of a model, in ``named_parameters()`` order, and its attention head blocks."""
 
@@ -147,33 +149,65 @@ def torchtitan_muon_params(name: str) -> list[tuple[str, tuple[int, ...]]]:
 
 @dataclass(frozen=True)
 class Layout:
-    """FSDP over all W ranks (``shard_group=None``) or HSDP: replicas of a ``shard_group``-rank
-    FSDP group. Muon plans over the ranks that shard a parameter, so with HSDP each shard
-    group runs the whole plan: the W / shard_group replicas repeat the same Newton–Schulz work."""
+    """How torchtitan 0.2.2 lays the Muon parameters out on W ranks.
+
+    FSDP: every parameter ``Shard(0)`` over all W ranks — routed experts too: without EP
+    torchtitan shards the experts with their transformer block, on the expert dimension.
+    HSDP (``shard_group``): replicas of a ``shard_group``-rank FSDP group. Muon plans over the
+    ranks that shard a parameter, so each shard group runs the whole plan and the W /
+    shard_group replicas repeat the same Newton–Schulz work.
+    EP (``expert_parallel``): dense parameters as FSDP; routed experts ``Shard(0)`` over the
+    ``ep`` mesh dimension and FSDP'd over ``efsdp`` = W / ep — FSDP2's strided ``Shard(0)``, or
+    ``Shard(1)`` (rows) once efsdp · ep > experts, as torchtitan's parallelize chooses.
+    """
 
     shard_group: int | None = None
+    expert_parallel: int | None = None
 
     @property
     def name(self) -> str:
-        return "FSDP" if self.shard_group is None else f"HSDP {self.shard_group}"
+        if self.shard_group is not None:
+            return f"HSDP {self.shard_group}"
+        return "FSDP" if self.expert_parallel is None else f"FSDP+EP {self.expert_parallel}"
 
     def group_size(self, world: int) -> int:
         return world if self.shard_group is None else self.shard_group
 
     def shardings(self, model: Model, world: int) -> list[Sharding]:
-        """Every parameter Shard(0) over the group (FSDP2's default, experts included: without
-        EP torchtitan shards routed experts like any parameter, on the expert dimension)."""
         group = self.group_size(world)
         if self.shard_group is None:
-            mesh, placements, grid = (group,), [Shard(0)], RankGrid([(g,) for g in range(group)])
+            dense = ((group,), [Shard(0)], RankGrid([(g,) for g in range(group)]))
         else:
-            mesh, placements = (world // group, group), [Replicate(), Shard(0)]
             grid = RankGrid([(0, g) for g in range(group)])  # shard group 0; the others are alike
+            dense = ((world // group, group), [Replicate(), Shard(0)], grid)
         by_shape: dict[tuple[int, ...], Sharding] = {}  # shared objects make holder lookups cacheable
         for _, shape in model.params:
             if shape not in by_shape:
+                mesh, placements, grid = self._experts(shape, world) if len(shape) == 3 and self.expert_parallel else dense
                 by_shape[shape] = sharding_of(shape, placements, mesh, grid)
         return [by_shape[shape] for _, shape in model.params]
+
+    def _experts(self, shape: tuple[int, ...], world: int):
+        ep = self.expert_parallel
+        efsdp = world // ep
+        grid = RankGrid([(g // ep, g % ep) for g in range(world)])  # sparse mesh (efsdp, ep), ep innermost
+        if efsdp * ep > shape[0]:
+            return (efsdp, ep), [Shard(1), Shard(0)], grid
+        return (efsdp, ep), [_StridedShard(0, split_factor=ep), Shard(0)], grid
+
+
+@dataclass
+class LaidOut:
+    """A model's shardings on one layout, and the holders of its units found so far (shared by
+    the schemes simulated on that layout)."""
+
+    shardings: tuple[Sharding, ...]
+    holders: dict = field(default_factory=dict)
+
+
+@functools.lru_cache(maxsize=2)
+def laid_out(model: Model, world: int, layout: Layout) -> LaidOut:
+    return LaidOut(tuple(layout.shardings(model, world)))
 
 
 def units_of(model: Model, split_heads: bool = False) -> list[Unit]:
@@ -226,12 +260,15 @@ class Traffic:
         return self.sent + self.received
 
 
-def traffic(units: Sequence[Unit], owners: Sequence[int], shardings: Sequence[Sharding], group: int) -> Traffic:
-    """Every unit's pieces go from their holders to the owner (nothing for the owner's own piece)."""
+def traffic(
+    units: Sequence[Unit], owners: Sequence[int], shardings: Sequence[Sharding], group: int, cache: dict | None = None
+) -> Traffic:
+    """Every unit's pieces go from their holders to the owner (nothing for the owner's own piece).
+    `cache` keeps each (sharding, unit box)'s holders for later calls on the same shardings."""
     sent = np.zeros((2, group), dtype=np.int64)  # [near, far]
     received = np.zeros((2, group), dtype=np.int64)
     nodes = np.arange(group) // GPUS_PER_NODE
-    pieces: dict[tuple[int, tuple], tuple[np.ndarray, np.ndarray]] = {}
+    pieces = {} if cache is None else cache
     for unit, owner in zip(units, owners):
         sharding = shardings[unit.param]
         key = (id(sharding), unit.box)
@@ -464,12 +501,14 @@ def plan_for(
     scheme: str, units: list[Unit], shardings: list[Sharding], group: int, bucket_bytes: int
 ) -> tuple[Plan, float]:
     start = time.perf_counter()
-    plan = build_plan(units, shardings, group, bucket_bytes)
     if scheme == "DistMuon-like":
         # torchtitan's DistMuon: greedy LPT on ns·s²·(2l+s) (proportional to NS FLOPs), owners
         # chosen on load alone, one packed all_to_all out and one back per bucket.
         owners = assign_owners([ns_flops(u) for u in units], group)
-        plan = Plan(plan.world_size, plan.units, tuple(owners), plan.buckets)
+        buckets = make_buckets([4 * u.numel for u in units], bucket_bytes)
+        plan = Plan(group, tuple(units), tuple(owners), tuple(tuple(b) for b in buckets))
+    else:
+        plan = build_plan(units, shardings, group, bucket_bytes)
     plan.fingerprint()  # the constructor checks it across ranks
     return plan, time.perf_counter() - start
 
@@ -490,7 +529,8 @@ def simulate(
     group = layout.group_size(world)
     units = units_of(model, split_heads)
     costs = [ns_flops(u) for u in units]
-    shardings = layout.shardings(model, world)
+    placed = laid_out(model, world, layout)
+    shardings = placed.shardings
     common = dict(model=model.name, world=world, layout=layout.name, scheme=scheme, group=group, units=len(units))
     common |= dict(ns_total=sum(costs), biggest_unit=max(costs))
     if scheme == "gather-everything":
@@ -510,7 +550,7 @@ def simulate(
     plan, plan_s = plan_for(scheme, units, shardings, group, bucket_bytes)
     loads = np.zeros(group, dtype=np.int64)
     np.add.at(loads, np.array(plan.owners), np.array(costs, dtype=np.int64))
-    moved = traffic(plan.units, plan.owners, shardings, group)
+    moved = traffic(plan.units, plan.owners, shardings, group, placed.holders)
     row = Row(**common, buckets=len(plan.buckets), ns=loads, per_step=moved.per_step, trip_s=hardware.trip_seconds(moved, 2),
               collectives=2 * len(plan.buckets) + (2 if scheme == "titan_muon" else 0),
               overlap_possible=scheme == "titan_muon", plan_s=plan_s)  # fmt: skip
@@ -541,20 +581,28 @@ def _split_lists_seconds(schedules: Sequence[BucketSchedule], rank: int, sample:
     return seconds(split_lists, part, rank, 2, repeat=2) * len(schedules) / max(1, len(part))
 
 
-def aten_ops(schedules: Sequence[BucketSchedule], units, shardings: Sequence[Sharding], rank: int) -> int:
-    """aten ops of step()'s redistribute calls for one rank. Buckets the rank takes no part in
-    (most of them for MoE models at large W) all cost the same: one is counted for all."""
+def aten_ops(schedules: Sequence[BucketSchedule], units: Sequence[Unit], shardings: Sequence[Sharding], rank: int) -> int:
+    """aten ops of step()'s redistribute calls for one rank. Their control flow depends only on
+    the shapes of a bucket's pieces and owned matrices, so buckets alike in those (one MoE
+    expert each, or none of this rank's) are counted once per kind."""
     stacks = {}
     for index, sharding in enumerate(shardings):
         box = sharding.box(rank)
         stacks[index] = torch.empty(*(hi - lo for lo, hi in box), dtype=torch.float32, device="meta")
-    active = [s for s in schedules if s.outbound or s.inbound]
-    idle = [s for s in schedules if not (s.outbound or s.inbound)]
-    with OpCounter() as counter:
-        redistribute_on_meta(active, units, stacks)
-    with OpCounter() as per_idle_bucket:
-        redistribute_on_meta(idle[:1], units, stacks)
-    return counter.ops + per_idle_bucket.ops * len(idle)
+    kinds: dict[tuple, list[BucketSchedule]] = {}
+    for s in schedules:
+        kind = (
+            tuple(p.shape for p in s.outbound),
+            tuple((units[p.unit].shape, p.shape, p.cols) for p in s.inbound),
+            tuple(units[u].shape for u in s.owned),
+        )
+        kinds.setdefault(kind, []).append(s)
+    total = 0
+    for alike in kinds.values():
+        with OpCounter() as counter:
+            redistribute_on_meta(alike[:1], units, stacks)
+        total += counter.ops * len(alike)
+    return total
 
 
 def _check_against_schedules(plan: Plan, shardings, schedules: dict[int, tuple[BucketSchedule, ...]], moved: Traffic) -> None:
@@ -593,33 +641,35 @@ def step_seconds(row: Row, hardware: Hardware, overlap: bool = False) -> float:
     return ns + trips * row.trip_s + row.collectives * hardware.latency_s
 
 
-def plan_table(rows: Sequence[Row]) -> list[str]:
+def plan_table(rows: Sequence[Row], hardware: Hardware) -> list[str]:
     lines = [
-        "| model | W | layout | units | buckets | idle ranks | NS max/mean | bound | goal | GB sent/rank max / mean (bf16) | "
-        "collectives | peak transient GiB (overlap) | plan s | tables s | host ms/step: tables + splits | aten ops/step |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---|---|---:|---|---:|---:|---|",
+        "| model | W | layout | units | buckets | idle ranks | NS max/mean (bound) | goal | GB sent/rank max / mean | "
+        "collectives | step ms (overlap) | peak transient GiB (overlap) | plan s | tables s | host ms/step: tables + splits | "
+        "aten ops/step |",
+        "|---|---:|---|---:|---:|---:|---|---|---|---:|---|---|---:|---:|---|---:|",
     ]
     for r in rows:
         sent = f"{r.per_step.max() * 2 / 1e9:.2f} / {r.per_step.mean() * 2 / 1e9:.2f}"
-        host = f"{r.host_tables_ms:.1f} + {r.host_splits_ms:.1f} | {r.aten_ops}"
+        step = f"{ms(step_seconds(r, hardware))} ({ms(step_seconds(r, hardware, overlap=True))})"
         lines.append(
-            f"| {r.model} | {r.world} | {r.layout} | {r.units} | {r.buckets} | {r.idle} | {r.imbalance:.2f} | {r.bound:.2f} | "
-            f"{goal(r)} | {sent} | {r.collectives} | {gib(r.peak_bytes)} ({gib(r.peak_overlap_bytes)}) | {r.plan_s:.2f} | "
-            f"{r.schedule_s:.2f} | {host} |"
+            f"| {r.model} | {r.world} | {r.layout} | {r.units} | {r.buckets} | {r.idle} | {r.imbalance:.2f} ({r.bound:.2f}) | "
+            f"{goal(r)} | {sent} | {r.collectives} | {step} | {gib(r.peak_bytes)} ({gib(r.peak_overlap_bytes)}) | "
+            f"{r.plan_s:.2f} | {r.schedule_s:.2f} | {r.host_tables_ms:.1f} + {r.host_splits_ms:.1f} | {r.aten_ops} |"
         )
     return lines
 
 
 def step_table(groups: Sequence[Sequence[Row]], hardware: Hardware) -> list[str]:
     lines = [
-        "| model | W | titan_muon NS ms | titan_muon comm ms (2 trips) | titan_muon step ms | with overlap | "
+        "| model | W | layout | titan_muon NS ms | comm ms (2 trips) | latency ms | step ms | with overlap | "
         "DistMuon-like NS / step ms | DistMuon-like GB/rank max | gather-everything NS / step ms | gather GB/rank |",
-        "|---|---:|---:|---:|---:|---:|---|---:|---|---:|",
+        "|---|---:|---|---:|---:|---:|---:|---:|---|---:|---|---:|",
     ]
     for titan, dist, gather in groups:
         lines.append(
-            f"| {titan.model} | {titan.world} | {ms(hardware.ns_seconds(titan.ns.max()))} | {ms(2 * titan.trip_s)} | "
-            f"{ms(step_seconds(titan, hardware))} | {ms(step_seconds(titan, hardware, overlap=True))} | "
+            f"| {titan.model} | {titan.world} | {titan.layout} | {ms(hardware.ns_seconds(titan.ns.max()))} | {ms(2 * titan.trip_s)} | "
+            f"{ms(titan.collectives * hardware.latency_s)} | {ms(step_seconds(titan, hardware))} | "
+            f"{ms(step_seconds(titan, hardware, overlap=True))} | "
             f"{ms(hardware.ns_seconds(dist.ns.max()))} / {ms(step_seconds(dist, hardware))} | {dist.per_step.max() * 2 / 1e9:.2f} | "
             f"{ms(hardware.ns_seconds(gather.ns.max()))} / {ms(step_seconds(gather, hardware))} | {gather.per_step.max() * 2 / 1e9:.2f} |"
         )
@@ -653,6 +703,7 @@ class Config:
     scaled_worlds: list[int]  # W at which buckets of bucket_mb × W / 8 are simulated too
     bucket_mb: float = 64.0
     window: int = 2
+    expert_parallel: int = 64  # EP degree of the MoE layout (DeepSeek-V3 trained with EP 64)
 
 
 FULL = Config(list(PRESETS), [8, 64, 256, 1024, 4096], [8, 64], [1024, 4096], [1024, 4096])
@@ -662,31 +713,35 @@ QUICK = Config(["Llama-3 8B"], [8, 64], [8], [64], [64])
 def run(config: Config, hardware: Hardware, *, check: bool = False, log=print) -> dict[str, list]:
     """Every table's rows; `check` compares the traffic with the measured ranks' tables."""
     bucket_bytes = int(config.bucket_mb * 2**20)
-    kw = dict(bucket_bytes=bucket_bytes, window=config.window, hardware=hardware, check=check)
+    kw = dict(window=config.window, hardware=hardware, check=check)
     out: dict[str, list] = {"plan": [], "step": [], "options": [], "scaled": []}
-    scaled_kw = kw | dict(bucket_bytes=0)
     for name in config.models:
         model = PRESETS[name]
-        for world in config.worlds:
+        layouts = [Layout()]
+        if any(len(shape) == 3 for _, shape in model.params):
+            layouts.append(Layout(expert_parallel=config.expert_parallel))
+        for world, layout in itertools.product(config.worlds, layouts):
+            if layout.expert_parallel and world < layout.expert_parallel:
+                continue
             start = time.perf_counter()
-            titan = simulate(model, world, Layout(), "titan_muon", **kw)
-            dist = simulate(model, world, Layout(), "DistMuon-like", host=False, **kw)
-            gather = simulate(model, world, Layout(), "gather-everything", **kw)
+            titan = simulate(model, world, layout, "titan_muon", bucket_bytes=bucket_bytes, **kw)
+            dist = simulate(model, world, layout, "DistMuon-like", bucket_bytes=bucket_bytes, host=False, **kw)
+            gather = simulate(model, world, layout, "gather-everything", bucket_bytes=bucket_bytes, **kw)
             out["plan"].append(titan)
             out["step"].append((titan, dist, gather))
-            if world in config.option_worlds:
-                options = [("whole matrices, byte-aware LPT (default)", titan), ("whole matrices, LPT on NS FLOPs only", dist)]
-                options.append(("Split: attention head blocks", simulate(model, world, Layout(), "titan_muon", split_heads=True, host=False, **kw)))
+            if world in config.option_worlds and layout == Layout():
+                out["options"] += [("whole matrices, byte-aware LPT (default)", titan), ("whole matrices, LPT on NS FLOPs only", dist)]
+                split = simulate(model, world, layout, "titan_muon", bucket_bytes=bucket_bytes, split_heads=True, host=False, **kw)
+                out["options"].append(("Split: attention head blocks", split))
                 for size in config.hsdp:
                     if size < world:
-                        options.append((f"HSDP, shard group {size}", simulate(model, world, Layout(size), "titan_muon", host=False, **kw)))
-                out["options"] += options
+                        hsdp = simulate(model, world, Layout(size), "titan_muon", bucket_bytes=bucket_bytes, host=False, **kw)
+                        out["options"].append((f"HSDP, shard group {size}", hsdp))
             if world in config.scaled_worlds:
-                scaled_kw["bucket_bytes"] = bucket_bytes * world // 8
-                out["scaled"].append(simulate(model, world, Layout(), "titan_muon", **scaled_kw))
-            log(f"{name} W={world}: {time.perf_counter() - start:.1f} s")
+                out["scaled"].append(simulate(model, world, layout, "titan_muon", bucket_bytes=bucket_bytes * world // 8, **kw))
+            log(f"{name} W={world} {layout.name}: {time.perf_counter() - start:.1f} s")
         for size in config.hsdp:  # independent of W: each shard group plans alone
-            out["plan"].append(simulate(model, max(config.worlds + [size]), Layout(size), "titan_muon", **kw))
+            out["plan"].append(simulate(model, max(config.worlds + [size]), Layout(size), "titan_muon", bucket_bytes=bucket_bytes, **kw))
     return out
 
 
@@ -761,13 +816,13 @@ redistribution (transport's buffer views and the collectives themselves not incl
 
 """
     text += "## Plans, traffic, memory and host time (FSDP rows per W; HSDP rows hold for any W)\n\n"
-    text += "\n".join(plan_table(out["plan"])) + "\n\n"
+    text += "\n".join(plan_table(out["plan"], hardware)) + "\n\n"
     text += "*bound*: the lowest NS max/mean any whole-matrix plan can reach (the costliest unit / the mean). "
     text += "*goal*: NS max/mean ≤ 1.1 whenever units ≥ 4 × ranks (`n/a`: fewer units); `missed (bound)`: no whole-matrix plan can meet it.\n\n"
     text += "## Estimated H100 optimizer step, side by side (FSDP, bf16)\n\n"
     text += "\n".join(step_table(out["step"], hardware)) + "\n\n"
     text += f"## Buckets that grow with W: bucket_size_mb = {config.bucket_mb:g} × W / 8\n\n"
-    text += "\n".join(plan_table(out["scaled"])) + "\n\n"
+    text += "\n".join(plan_table(out["scaled"], hardware)) + "\n\n"
     text += "## When whole matrices cannot balance: options\n\n"
     text += "\n".join(options_table(out["options"], hardware)) + "\n\n"
     return text
