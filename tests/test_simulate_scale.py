@@ -68,7 +68,7 @@ def test_quick_mode_figures_are_plausible(sim, quick):
     titan, _, gather = next(t for t in quick["step"] if t[0].world == 8)
     assert gather.ns.max() == pytest.approx(8 * titan.ns.mean())  # every rank does everything
     assert sim.step_seconds(titan, sim.Hardware(), overlap=True) < sim.step_seconds(titan, sim.Hardware())
-    text = sim.render(quick, sim.QUICK, sim.Hardware(), "python scripts/simulate_scale.py --quick", 1.0)
+    text = sim.render(quick, sim.QUICK, sim.Hardware(), "python scripts/simulate_scale.py --quick", (1.0, 1.0, 0.0))
     assert "| Llama-3 8B | 64 | FSDP |" in text and "Split: attention head blocks" in text
 
 
