@@ -17,6 +17,7 @@ import dataclasses
 import datetime
 import functools
 import itertools
+import math
 import os
 import platform
 import subprocess
@@ -32,7 +33,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from titan_muon.layout import RankGrid, Sharding, sharding_of
+from titan_muon.layout import RankGrid, Sharding, box_numel, sharding_of
 from titan_muon.newton_schulz import newton_schulz_flops
 from titan_muon.plan import BucketSchedule, Plan, Unit, assign_owners, build_plan, make_buckets, rank_schedule
 from titan_muon.redistribute import assemble, disassemble, local_views, pack, unpack
@@ -62,7 +63,7 @@ class Model:
 
     @property
     def elements(self) -> int:
-        return sum(int(np.prod(shape)) for _, shape in self.params)
+        return sum(math.prod(shape) for _, shape in self.params)
 
 
 def llama3(name: str, dim: int, layers: int, heads: int, kv_heads: int, ffn: int) -> Model:
@@ -274,7 +275,7 @@ def traffic(
         sharding = shardings[unit.param]
         key = (id(sharding), unit.box)
         if key not in pieces:
-            held = [(rank, _numel(box)) for rank, box in sharding.holders(unit.box)]
+            held = [(rank, box_numel(box)) for rank, box in sharding.holders(unit.box)]
             pieces[key] = (np.array([r for r, _ in held], dtype=np.int64), np.array([n for _, n in held], dtype=np.int64))
         ranks, numels = pieces[key]
         if len(ranks) == 1:  # the common case for experts: one holder
@@ -292,13 +293,6 @@ def traffic(
         received[0, owner] += int(numels[near].sum())
         received[1, owner] += int(numels[far].sum())
     return Traffic(sent[0], sent[1], received[0], received[1])
-
-
-def _numel(box) -> int:
-    n = 1
-    for lo, hi in box:
-        n *= hi - lo
-    return n
 
 
 # ------------------------------------------------------------------ hardware model
@@ -541,7 +535,7 @@ def simulate(
         held = np.zeros(group, dtype=np.int64)
         for sharding in {id(s): s for s in shardings}.values():
             count = sum(s is sharding for s in shardings)
-            held += count * np.array([_numel(sharding.box(r)) for r in range(group)], dtype=np.int64)
+            held += count * np.array([box_numel(sharding.box(r)) for r in range(group)], dtype=np.int64)
         per_rank = elements - held
         buckets = -(-4 * elements // bucket_bytes)
         row = Row(**common, buckets=buckets, ns=np.full(group, sum(costs)), per_step=2 * per_rank,
@@ -782,12 +776,13 @@ compares every Muon parameter's name and shape.
 
 **Layouts.** FSDP: every parameter `Shard(0)` over all W ranks — routed experts too: without
 EP torchtitan 0.2.2 shards experts with their transformer block on the expert dimension, so
-at W > experts the ranks past the expert count hold no expert. (With EP, experts are
-`Shard(0)` over `ep` and FSDP'd over `efsdp` with `Shard(0)`, or `Shard(1)` once
-efsdp·ep > experts; for Muon that is the same contiguous expert blocks as long as experts ≥ W —
-a possible follow-up column.) HSDP: `(Replicate, Shard(0))` with a shard group of 8 (one node)
-or 64 ranks; Muon plans over the shard group, so every replica repeats the same NS work and
-the figures do not depend on W. 8 GPUs per node; FSDP ranks and shard groups are consecutive.
+at W > experts the ranks past the expert count hold no expert. FSDP+EP {{ep}} (MoE presets,
+W ≥ {{ep}}): dense parameters as FSDP; experts `Shard(0)` over `ep` = {{ep}} and FSDP'd over
+`efsdp` = W / {{ep}} — FSDP2's `_StridedShard(0)`, or `Shard(1)` (expert rows) once efsdp·ep >
+experts, as torchtitan's parallelize chooses; all on one exchange group of W ranks, as the
+optimizer requires. HSDP: `(Replicate, Shard(0))` with a shard group of 8 (one node) or 64
+ranks; Muon plans over the shard group, so every replica repeats the same NS work and the
+figures do not depend on W. 8 GPUs per node; FSDP ranks and shard groups are consecutive.
 
 **Schemes.** *titan_muon*: whole-matrix owners by LPT on NS FLOPs, byte-aware (a holder of
 the matrix wins when its load stays within 5 % of the mean of the least loaded). *DistMuon-like*
@@ -826,12 +821,12 @@ redistribution (transport's buffer views and the collectives themselves not incl
 *plan s*: `build_plan` + fingerprint; *tables s*: one rank's `rank_schedule`.
 
 """
-    text = text.replace("{key}", "\n".join(key_figures(out, config, hardware)))
+    text = text.replace("{key}", "\n".join(key_figures(out, config, hardware))).replace("{ep}", str(config.expert_parallel))
     text += "## Plans, traffic, memory and host time (FSDP rows per W; HSDP rows hold for any W)\n\n"
     text += "\n".join(plan_table(out["plan"], hardware)) + "\n\n"
     text += "*bound*: the lowest NS max/mean any whole-matrix plan can reach (the costliest unit / the mean). "
     text += "*goal*: NS max/mean ≤ 1.1 whenever units ≥ 4 × ranks (`n/a`: fewer units); `missed (bound)`: no whole-matrix plan can meet it.\n\n"
-    text += "## Estimated H100 optimizer step, side by side (FSDP, bf16)\n\n"
+    text += "## Estimated H100 optimizer step, side by side (bf16 wire and NS)\n\n"
     text += "\n".join(step_table(out["step"], hardware)) + "\n\n"
     text += f"## Buckets that grow with W: bucket_size_mb = {config.bucket_mb:g} × W / 8\n\n"
     text += "\n".join(plan_table(out["scaled"], hardware)) + "\n\n"
@@ -925,7 +920,7 @@ def findings(out, config: Config, hardware: Hardware, world: int, flat: list[Row
             "Row blocks of one matrix would not be the same math and are not considered. What would lower the floor is "
             "running one matrix's NS on several ranks (e.g. a node computing X·Xᵀ and the products in blocks): not implemented."
         )
-    pairs = [(t, d) for t, d, _ in out["step"] if d.per_step.max() > 1.2 * t.per_step.max()]
+    pairs = list({(t.model, t.world): (t, d) for t, d, _ in out["step"] if d.per_step.max() > 1.2 * t.per_step.max()}.values())
     if pairs:
         text.append(
             "- **Byte-aware owners vs DistMuon-like.** For dense matrices under FSDP both send the same bytes (every rank holds an "
@@ -963,16 +958,19 @@ def findings(out, config: Config, hardware: Hardware, world: int, flat: list[Row
             "expert FSDP to rows once efsdp·ep > experts) experts spread over all ranks: "
             f"{span([r.peak_bytes / 2**30 for r, _ in ep])} GiB and {span([r.per_step.max() * 2 / 1e9 for r, _ in ep])} GB, balanced."
         )
-    measured = [r for r in titans if r.shard_elements]
-    if measured:
-        per_element = [r.peak_bytes / r.shard_elements for r in measured]
+    smallest = [r for r in titans if r.world == min(config.worlds) and r.layout == "FSDP" and r.shard_elements]
+    largest = [r for r in titans if r.world == world and r.shard_elements]
+    if smallest and largest:
+        per_element = [r.peak_bytes / r.shard_elements for r in smallest]
         text.append(
             "- **Memory.** Two terms. The commit: the returned bf16 updates (2 B per element of the rank's Muon shard, kept "
             "until the commit by design: nothing changes before every rank got through) plus the commit's fp32 copy of a "
             "whole param group's updates (4 B) — 6 B per shard element, 1.5× the fp32 shard. The window: the buckets in "
-            "flight plus the owner's whole matrices in NS (about 10 B per element it owns in a bucket), which matters when "
-            "shards are small (large W) and a rank owns a large matrix. Peak / largest measured shard: "
-            f"{span(per_element, '{:.1f}')} B per element over the rows above. "
+            "flight plus the owner's whole matrices in NS (about 10 B per element it owns in a bucket). At W = "
+            f"{min(config.worlds)} the peak is {span(per_element, '{:.1f}')} B per element of the larger measured shard; at "
+            f"W = {world} it is {span([r.peak_bytes / 2**30 for r in largest], '{:.2f}')} GiB, and in "
+            f"{sum(r.peak_bytes > 6.05 * r.shard_elements for r in largest)} of {len(largest)} rows the window dominates "
+            "(shards are small, but an owner still receives whole matrices). "
             "With overlap, every inbound buffer from backward stays referenced until step() returns and the owners keep the "
             "new fp32 momentum of all their matrices: up to twice that. Casting and applying the updates per bucket in the "
             "commit, and dropping each early inbound buffer once used, would bring the peak near 2 B per shard element plus "

@@ -9,7 +9,6 @@ import itertools
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from titan_muon.plan import build_plan, rank_schedule
