@@ -130,7 +130,8 @@ class Muon(Optimizer):
             the Newton–Schulz matmuls.
         comm_dtype: "fp32", "bf16" or "auto" (default: the NS dtype): dtype on the wire.
         adamw_betas, adamw_eps: defaults for AdamW groups ("betas", "eps" group keys).
-        bucket_size_mb: size of one all-to-all bucket (fp32 MiB of whole matrices).
+        bucket_size_mb: size of one all-to-all bucket (fp32 MiB of whole matrices); default
+            max(64, 8 × world size): about 8 MiB per rank and bucket however many ranks share it.
         buckets_in_flight: buckets whose exchange runs ahead of the owners' Newton–Schulz; the
             step's transient memory is about this many buckets plus the step's updates.
         nonfinite_grads: "raise" (default) raises on every rank; "skip" skips the whole step
@@ -160,7 +161,7 @@ class Muon(Optimizer):
         comm_dtype: str = "auto",
         adamw_betas: tuple[float, float] = (0.9, 0.95),
         adamw_eps: float = 1e-8,
-        bucket_size_mb: float = 64.0,
+        bucket_size_mb: float | None = None,
         buckets_in_flight: int = 2,
         nonfinite_grads: str = "raise",
         row_blocks: Mapping[str, RowBlocks] | None = None,
@@ -173,8 +174,8 @@ class Muon(Optimizer):
             _dtype(comm_dtype, "comm_dtype", torch.device("cpu"))
         if nonfinite_grads not in NONFINITE_POLICIES:
             raise ValueError(f"titan_muon.Muon: nonfinite_grads={nonfinite_grads!r}; expected one of {NONFINITE_POLICIES}")
-        if not bucket_size_mb > 0:
-            raise ValueError(f"titan_muon.Muon: bucket_size_mb must be > 0, got {bucket_size_mb}")
+        if bucket_size_mb is not None and not bucket_size_mb > 0:
+            raise ValueError(f"titan_muon.Muon: bucket_size_mb must be > 0 (or None for the default), got {bucket_size_mb}")
         if not (isinstance(buckets_in_flight, int) and buckets_in_flight >= 1):
             raise ValueError(f"titan_muon.Muon: buckets_in_flight must be an integer >= 1, got {buckets_in_flight!r}")
         self.ns_dtype_setting, self.comm_dtype_setting = ns_dtype, comm_dtype
@@ -182,7 +183,7 @@ class Muon(Optimizer):
         self.row_blocks = dict(row_blocks or {})
         self.overlap = overlap
         self.storage = momentum_storage(momentum_dtype)
-        self.bucket_bytes = int(bucket_size_mb * 2**20)
+        self.bucket_size_mb = bucket_size_mb
         self.buckets_in_flight = buckets_in_flight
         self._overlap: BackwardOverlap | None = None
         defaults = dict(
@@ -272,7 +273,8 @@ class Muon(Optimizer):
                     unit = Unit(entry.index, m, start, end, cols)
                     (units if entry.sharding is not None else self._local_units).append(unit)
         shardings = [e.sharding or replicated(e.param.shape) for e in self._muon_params]
-        self.plan: Plan = build_plan(units, shardings, world, self.bucket_bytes)
+        bucket_mb = self.bucket_size_mb if self.bucket_size_mb is not None else max(64.0, 8.0 * world)
+        self.plan: Plan = build_plan(units, shardings, world, int(bucket_mb * 2**20))
         self.transport.check_same_everywhere(self.plan.fingerprint(), "the Muon ownership plan")
         self.schedules: tuple[BucketSchedule, ...] = rank_schedule(self.plan, shardings, rank)
 
@@ -399,7 +401,8 @@ class Muon(Optimizer):
         so nobody waits forever; the error is settled collectively afterwards.
         """
         work = _StepWork()
-        early = verdict.early.arrived if verdict.early is not None else {}
+        early = dict(verdict.early.arrived) if verdict.early is not None else {}
+        sent_early = set(early)
         scales = verdict.early.scales if verdict.early is not None else {}  # per bucket: {param: c}
         outbound: dict[int, Exchange] = {}
         returning: list[tuple[int, Exchange]] = []
@@ -410,7 +413,7 @@ class Muon(Optimizer):
             nonlocal launched
             while launched < min(limit, len(order)):
                 b = order[launched]
-                if b not in early:
+                if b not in sent_early:
                     outbound[b] = self._send(b, verdict, failure)
                     work.memory.add(outbound[b].nbytes)
                 launched += 1
@@ -423,7 +426,7 @@ class Muon(Optimizer):
         for position, b in enumerate(order):
             launch_until(position + self.buckets_in_flight)
             schedule = self.schedules[b]
-            exchange = early[b] if b in early else outbound.pop(b)
+            exchange = early.pop(b) if b in sent_early else outbound.pop(b)  # dropped once used: frees its buffers
             work.memory.free(exchange.nbytes - exchange.received.numel())  # the send buffer, once done
             received = exchange.wait()
             back = None

@@ -46,21 +46,33 @@ class Transport:
         self.rank = 0 if group is None else dist.get_rank(group)
         self.bytes_sent = 0
         self.bytes_received = 0
+        # Split sizes in bytes, per (element counts, item size): the schedules' count tuples
+        # are fixed, so the O(world size) lists are built once, not per collective.
+        self._byte_splits: dict[tuple[tuple[int, ...], int], tuple[list[int], int]] = {}
+
+    def _split_bytes(self, counts: tuple[int, ...], itemsize: int) -> tuple[list[int], int]:
+        """The byte split list of `counts` and the bytes that leave or reach other ranks."""
+        key = (counts, itemsize)
+        if key not in self._byte_splits:
+            self._byte_splits[key] = ([c * itemsize for c in counts], itemsize * (sum(counts) - counts[self.rank]))
+        return self._byte_splits[key]
 
     def all_to_all(self, send: Tensor, send_counts: tuple[int, ...], recv_counts: tuple[int, ...]) -> Exchange:
         """Start an uneven all-to-all of `send` (1-D, counts in elements); returns at once."""
         itemsize = send.element_size()
         if self.group is None:
             return Exchange(send.view(torch.uint8), None, send.dtype)
-        recv = torch.empty(sum(recv_counts) * itemsize, dtype=torch.uint8, device=self.device)
-        self.bytes_sent += itemsize * (sum(send_counts) - send_counts[self.rank])
-        self.bytes_received += itemsize * (sum(recv_counts) - recv_counts[self.rank])
+        recv_splits, received = self._split_bytes(tuple(recv_counts), itemsize)
+        send_splits, sent = self._split_bytes(tuple(send_counts), itemsize)
+        recv = torch.empty(sum(recv_splits), dtype=torch.uint8, device=self.device)
+        self.bytes_sent += sent
+        self.bytes_received += received
         send_bytes = send.contiguous().view(torch.uint8)
         work = dist.all_to_all_single(
             recv,
             send_bytes,
-            output_split_sizes=[c * itemsize for c in recv_counts],
-            input_split_sizes=[c * itemsize for c in send_counts],
+            output_split_sizes=recv_splits,
+            input_split_sizes=send_splits,
             group=self.group,
             async_op=True,
         )

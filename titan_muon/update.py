@@ -63,4 +63,4 @@ def apply_updates_(params: Sequence[Tensor], updates: Sequence[Tensor], lr: floa
         return
     if lr * weight_decay != 0:
         torch._foreach_mul_(list(params), 1 - lr * weight_decay)
-    torch._foreach_add_(list(params), [u if u.dtype == p.dtype else u.to(p.dtype) for p, u in zip(params, updates)], alpha=-lr)
+    torch._foreach_add_(list(params), list(updates), alpha=-lr)  # mixed dtypes: no converted copy of the updates

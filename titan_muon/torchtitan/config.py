@@ -35,7 +35,8 @@ class Optimizer:
     adjust_lr_fn: Literal["original", "match_rms_adamw"] = "original"
     """"original": scale by sqrt(max(1, rows/cols)); "match_rms_adamw": 0.2*sqrt(max(rows, cols)),
     which lets Muon reuse an AdamW learning rate."""
-    bucket_size_mb: float = 64.0
+    bucket_size_mb: float | None = None
+    """fp32 MiB of whole matrices per all-to-all round; unset: max(64, 8 × ranks), about 8 MiB per rank."""
     buckets_in_flight: int = 2
     """Buckets whose all-to-all runs ahead of the owners' Newton-Schulz: bounds the step's transient memory."""
     overlap: bool = False
@@ -127,8 +128,8 @@ def validate_optimizer_config(config: Any) -> None:
     for key, choices in _CHOICES.items():
         if getattr(config, key) not in choices:
             fail(key, f"one of {choices}")
-    if not _is_number(config.bucket_size_mb) or config.bucket_size_mb <= 0:
-        fail("bucket_size_mb", "a positive number")
+    if config.bucket_size_mb is not None and (not _is_number(config.bucket_size_mb) or config.bucket_size_mb <= 0):
+        fail("bucket_size_mb", "a positive number or unset")
     for key in ("adamw_lr", "adamw_weight_decay"):
         value = getattr(config, key)
         if value is not None and (not _is_number(value) or value < 0):
