@@ -52,8 +52,10 @@ def main() -> None:
             "--job.dump_folder", str(folder / dump), "--optimizer.no-qk_clip", *extra,
         ]  # fmt: skip
 
-    run_training(CONFIG, overrides("seed", "--checkpoint.enable", "--checkpoint.create_seed_checkpoint"), nproc=1, timeout=args.timeout)
-    seed = ["--checkpoint.enable", "--checkpoint.initial_load_path", str(folder / "seed/checkpoint/step-0"), "--checkpoint.load_only"]
+    create_seed = overrides("seed", "--checkpoint.enable", "--checkpoint.create_seed_checkpoint")
+    run_training(CONFIG, create_seed, nproc=1, timeout=args.timeout)
+    seed_path = str(folder / "seed" / "checkpoint" / "step-0")
+    seed = ["--checkpoint.enable", "--checkpoint.initial_load_path", seed_path, "--checkpoint.load_only"]
     scalars, seconds = {}, {}
     for name, (nproc, extra) in RUNS.items():
         start = time.perf_counter()

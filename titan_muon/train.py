@@ -53,7 +53,9 @@ class Trainer(TorchTitanTrainer):
 
     def forward_backward_step(self, *, input_dict, labels, global_valid_tokens):
         set_global_valid_tokens(self.loss_fn, global_valid_tokens)  # for the pipeline schedule's backward
-        return super().forward_backward_step(input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens)
+        return super().forward_backward_step(
+            input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens
+        )
 
     def train(self):
         check_before_resume(self.checkpointer, self.job_config.checkpoint)
