@@ -9,8 +9,11 @@ ratios compare like with like on a shared, noisy machine:
     muon+fp8           FP8 momentum (row-scaled e4m3, stochastic rounding)
     muon+overlap+fp8
 
-    python scripts/bench_training.py --flavor debug          # torchtitan llama3 debugmodel with 4 KV heads
-    python scripts/bench_training.py --flavor 100m --steps 3
+    python scripts/bench_training.py --flavor debug --accum 1,8        # 2 k and 16 k tokens per step
+    python scripts/bench_training.py --flavor 100m --steps 3 --accum 8
+
+"optimizer ms" is ``optimizer.step()`` alone; "beyond NS" is that minus the step's
+Newton-Schulz time, compared with AdamW's whole ``step()``: the work Muon adds around NS.
 
 Writes the table to docs/performance.md (section "Training step, <flavor>") unless --no-write.
 """
@@ -69,6 +72,8 @@ def optimizer_for(mode: str, model, ns_dtype: str):
 
 
 def state_bytes(opt) -> int:
+    if hasattr(opt, "local_state_bytes"):
+        return opt.local_state_bytes()
     total = 0
     for state in opt.state.values():
         for value in state.values():
@@ -80,6 +85,10 @@ def state_bytes(opt) -> int:
 
 def _rank_main(rank, world, args):
     mesh = init_device_mesh("cpu", (world,))
+    return {accum: _runs(rank, world, args, mesh, accum) for accum in args.accum}
+
+
+def _runs(rank, world, args, mesh, accum):
     vocab = FLAVORS[args.flavor]["vocab_size"]
     results = {}
     for mode in args.modes.split(","):
@@ -90,26 +99,29 @@ def _rank_main(rank, world, args):
             gen = torch.Generator().manual_seed(step * world + rank)
             dist.barrier()
             started = time.perf_counter()
-            for _ in range(args.accum):
+            for _ in range(accum):
                 tokens = torch.randint(0, vocab, (args.batch, args.seq + 1), generator=gen)
                 logits = model(tokens[:, :-1])
-                loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()) / args.accum
+                loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()) / accum
                 loss.backward()
             backward_done = time.perf_counter()
             torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)
+            clipped = time.perf_counter()
             opt.step()
+            stepped = time.perf_counter()
             opt.zero_grad()
             done = time.perf_counter()
             if step >= args.warmup:
                 metrics = getattr(opt, "last_step_metrics", {})
                 timings.append(dict(
-                    step=done - started, fwd_bwd=backward_done - started, opt=done - backward_done,
+                    step=done - started, fwd_bwd=backward_done - started, opt=stepped - clipped,
                     ns=metrics.get("muon/ns_time_ms", 0.0) / 1e3,
-                    bytes_step=metrics.get("muon/bytes_sent", 0.0),
+                    bytes_to_owners=metrics.get("muon/bytes_sent_to_owners", 0.0),
                     bytes_backward=metrics.get("muon/bytes_sent_in_backward", 0.0),
+                    peak=metrics.get("muon/peak_transient_bytes", 0.0),
                 ))  # fmt: skip
         params = sum(p.to_local().numel() for p in model.parameters())
-        results[mode] = dict(timings=timings, state_bytes=state_bytes(opt), local_params=params, loss=loss.item() * args.accum)
+        results[mode] = dict(timings=timings, state_bytes=state_bytes(opt), local_params=params, loss=loss.item() * accum)
         del model, opt
     return results
 
@@ -122,35 +134,41 @@ def main():
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--batch", type=int, default=4, help="sequences per rank per micro-batch")
     parser.add_argument("--seq", type=int, default=256)
-    parser.add_argument("--accum", type=int, default=1, help="micro-batches per step")
+    parser.add_argument("--accum", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8],
+                        help="micro-batches per step, comma-separated: one table row group per value")  # fmt: skip
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--ns-dtype", default="fp32", choices=("fp32", "bf16"))
+    parser.add_argument("--ns-dtype", default="auto", choices=("auto", "fp32", "bf16"))
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
 
     per_rank = run_on_ranks(_rank_main, args.world, args)
-
-    def median(mode, key, reduce=max):  # a step lasts as long as its slowest rank
-        return statistics.median(reduce(r[mode]["timings"][i][key] for r in per_rank) for i in range(args.steps))
-
-    modes = list(per_rank[0])
-    base = median("adamw", "step") if "adamw" in modes else None
-    tokens = args.world * args.batch * args.seq * args.accum
     lines = [
-        "| mode | step ms | vs AdamW | fwd+bwd ms | after-backward ms | NS ms (share of step) | Muon bytes/rank: in backward / in step | optimizer state B/param |",
-        "|---|---|---|---|---|---|---|---|",
+        "| tokens/step | mode | step ms | vs AdamW | fwd+bwd ms | optimizer ms | NS ms (share of step) | beyond NS vs AdamW's step | "
+        "Muon bytes/rank to owners: in backward / in step | peak transient MiB | state B/param |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for mode in modes:
-        step, ns = median(mode, "step"), median(mode, "ns")
-        sent_bwd, sent_step = median(mode, "bytes_backward"), median(mode, "bytes_step")
-        state = max(r[mode]["state_bytes"] / r[mode]["local_params"] for r in per_rank)
-        ratio = f"{step / base:.2f}x" if base else "-"
-        comm = f"{sent_bwd / 2**20:.1f} / {sent_step / 2**20:.1f} MiB" if mode != "adamw" else "-"
-        lines.append(
-            f"| {mode} | {1e3 * step:.0f} | {ratio} | {1e3 * median(mode, 'fwd_bwd'):.0f} | {1e3 * median(mode, 'opt'):.0f} "
-            f"| {1e3 * ns:.0f} ({100 * ns / step:.0f} %) | {comm} | {state:.2f} |"
-        )
+    for accum in args.accum:
+        runs = [r[accum] for r in per_rank]
+
+        def median(mode, key, reduce=max):  # a step lasts as long as its slowest rank
+            return statistics.median(reduce(r[mode]["timings"][i][key] for r in runs) for i in range(args.steps))
+
+        modes = list(runs[0])
+        base = median("adamw", "step") if "adamw" in modes else None
+        base_opt = median("adamw", "opt") if "adamw" in modes else None
+        tokens = args.world * args.batch * args.seq * accum
+        for mode in modes:
+            step, ns, opt = median(mode, "step"), median(mode, "ns"), median(mode, "opt")
+            state = max(r[mode]["state_bytes"] / r[mode]["local_params"] for r in runs)
+            ratio = f"{step / base:.2f}x" if base else "-"
+            beyond = f"{(opt - ns) / base_opt:.2f}x" if base_opt and mode != "adamw" else "-"
+            comm = f"{median(mode, 'bytes_backward') / 2**20:.1f} / {median(mode, 'bytes_to_owners') / 2**20:.1f} MiB" if mode != "adamw" else "-"
+            peak = f"{median(mode, 'peak') / 2**20:.1f}" if mode != "adamw" else "-"
+            lines.append(
+                f"| {tokens} | {mode} | {1e3 * step:.0f} | {ratio} | {1e3 * median(mode, 'fwd_bwd'):.0f} | {1e3 * opt:.0f} "
+                f"| {1e3 * ns:.0f} ({100 * ns / step:.0f} %) | {beyond} | {comm} | {peak} | {state:.2f} |"
+            )
     cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
     command = "python scripts/bench_training.py " + " ".join(sys.argv[1:])
     report = "\n".join([
@@ -158,13 +176,13 @@ def main():
         "",
         f"Command: `{command.strip()}`  ",
         f"Machine: {cpu}, {os.cpu_count()} cores, torch {torch.__version__}, gloo, W={args.world}, {args.threads} thread(s) per rank; "
-        f"llama3 {FLAVORS[args.flavor]}, {tokens} tokens per step, NS in {args.ns_dtype}, grad-norm clipping on; "
+        f"llama3 {FLAVORS[args.flavor]}, NS dtype {args.ns_dtype}, grad-norm clipping on; "
         f"median of {args.steps} steps after {args.warmup} warm-up; {time.strftime('%Y-%m-%d')}.",
         "",
         *lines,
         "",
-        "\"after-backward\" is clipping plus `optimizer.step()`. Optimizer state counts every state tensor "
-        "(AdamW groups included) per local parameter element.",
+        "\"optimizer ms\" is `optimizer.step()` alone; \"beyond NS\" is that minus Newton-Schulz, against AdamW's step. "
+        "Optimizer state counts every state tensor (AdamW groups included) per local parameter element.",
         "",
     ])  # fmt: skip
     print(report)

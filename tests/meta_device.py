@@ -45,6 +45,7 @@ class DeviceAudit(TorchDispatchMode):
     def __init__(self, device: str = "meta"):
         super().__init__()
         self.device = torch.device(device)
+        self.answer_reads = self.device.type == "meta"  # a real device answers for itself
         self.reset()
 
     def reset(self) -> None:
@@ -62,23 +63,25 @@ class DeviceAudit(TorchDispatchMode):
         self.ops[str(func)] += 1
         tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         if func.namespace in ("c10d", "_c10d_functional"):
-            foreign = [str(t.device) for t in tensors if t.device != self.device]
+            foreign = [str(t.device) for t in tensors if t.device.type != self.device.type]
             if foreign:
                 self.foreign_collectives.append((str(func), foreign))
         if func in _SCALAR_READS:
-            if any(t.device == self.device for t in tensors):
+            if any(t.device.type == self.device.type for t in tensors):
                 self.host_syncs += 1
-                return False if func is not aten._local_scalar_dense.default else 0
+                if self.answer_reads:
+                    return False if func is not aten._local_scalar_dense.default else 0
             return func(*args, **kwargs)
         if func in _COPIES:
             target = kwargs.get("device") or (args[0].device if func is aten.copy_.default else None)
             source = args[1] if func is aten.copy_.default else args[0]
-            if target is not None and torch.device(target).type == "cpu" and source.device == self.device:
+            if target is not None and torch.device(target).type == "cpu" and source.device.type == self.device.type:
                 self.host_syncs += 1  # device -> host: the host waits for the device
-                if func is aten.copy_.default:
-                    return args[0].zero_()
-                return torch.zeros(source.shape, dtype=kwargs.get("dtype") or source.dtype)
-            if target is not None and torch.device(target) == self.device and source.device.type == "cpu":
+                if self.answer_reads:
+                    if func is aten.copy_.default:
+                        return args[0].zero_()
+                    return torch.zeros(source.shape, dtype=kwargs.get("dtype") or source.dtype)
+            if target is not None and torch.device(target).type == self.device.type and source.device.type == "cpu":
                 if source.numel() > 0:
                     self.host_to_device += 1
         return func(*args, **kwargs)

@@ -17,7 +17,7 @@ from torchtitan.models.llama3.model.args import TransformerModelArgs
 from torchtitan.models.llama3.model.model import Transformer
 
 from titan_muon.attention_logits import MaxLogitRecorder, block_max_logits
-from titan_muon.clip import QKClip, apply_qk_clip, find_attention_layers
+from titan_muon.clip import QKClip, apply_qk_clip, build_qk_clips, find_attention_layers
 
 VOCAB, SEQ = 64, 12
 
@@ -33,11 +33,11 @@ def llama(n_heads=9, n_kv_heads=3, head_dim=4, n_layers=2, seed=0):
     return _init(Transformer(args), seed)
 
 
-def mla(q_lora_rank=0, n_layers=2, seed=0):
+def mla(q_lora_rank=0, n_layers=2, seed=0, n_heads=3):
     # max_seq_len > original_seq_len switches on YaRN's mscale, so softmax_scale != 1/sqrt(d).
     args = DeepSeekV3ModelArgs(
         vocab_size=VOCAB, dim=32, inter_dim=48, moe_inter_dim=16, n_layers=n_layers, n_dense_layers=n_layers,
-        n_heads=3, q_lora_rank=q_lora_rank, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
+        n_heads=n_heads, q_lora_rank=q_lora_rank, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
         v_head_dim=5, max_seq_len=2 * SEQ, original_seq_len=SEQ,
     )
     return _init(DeepSeekV3Model(args), seed)
@@ -106,10 +106,10 @@ class Capture:
 
 
 @pytest.mark.parametrize("kind", sorted(MODELS))
-@pytest.mark.parametrize("chunk_elements", [37, 1 << 24])
-def test_recorded_max_equals_brute_force(kind, chunk_elements):
+@pytest.mark.parametrize("block_bytes", [37 * 4, 1 << 26])  # one query row a block; all rows in one block
+def test_recorded_max_equals_brute_force(kind, block_bytes):
     model = MODELS[kind]()
-    recorder = MaxLogitRecorder.attach(model, chunk_elements=chunk_elements)
+    recorder = MaxLogitRecorder.attach(model, block_bytes=block_bytes)
     capture = Capture(model)
     maxima = []
     for micro_batch in range(2):  # running max over the micro-batches of a step
@@ -133,7 +133,7 @@ def test_block_max_with_a_document_mask_and_gqa():
     def document_causal(b, h, q_idx, kv_idx):
         return (docs[b, q_idx] == docs[b, kv_idx]) & (q_idx >= kv_idx)
 
-    got = block_max_logits(q, k, 0.7, mask_mod=document_causal, chunk_elements=50)
+    got = block_max_logits(q, k, 0.7, mask_mod=document_causal, block_bytes=50 * 4)
     full = 0.7 * q @ k.repeat_interleave(3, dim=1).transpose(-1, -2)
     b, i, j = torch.meshgrid(torch.arange(2), torch.arange(10), torch.arange(10), indexing="ij")
     allowed = document_causal(b, None, i, j)[:, None]
@@ -141,9 +141,22 @@ def test_block_max_with_a_document_mask_and_gqa():
     torch.testing.assert_close(got, expected)
 
 
+@pytest.mark.parametrize("rows_per_block", [1, 5, 12])  # 5: blocks of 5, 5 and 2 query rows
+@pytest.mark.parametrize("causal", [True, False])
+def test_block_max_equals_the_dense_max(rows_per_block, causal):
+    g = torch.Generator().manual_seed(4)
+    q, k = torch.randn(2, 6, 12, 4, generator=g), torch.randn(2, 2, 12, 4, generator=g)
+    q = q.transpose(1, 2).contiguous().transpose(1, 2)  # torchtitan's (B, L, H, D) memory order
+    got = block_max_logits(q, k, 0.7, is_causal=causal, block_bytes=2 * 6 * 12 * 4 * rows_per_block)
+    full = 0.7 * q.double() @ k.double().repeat_interleave(3, dim=1).transpose(-1, -2)
+    if causal:
+        full = full.masked_fill(torch.ones(12, 12, dtype=torch.bool).triu(1), -math.inf)
+    torch.testing.assert_close(got, full.amax(dim=(0, 2, 3)).float(), rtol=1e-6, atol=1e-6)  # fp32 dot products of 4 terms
+
+
 def test_max_logit_is_signed():
     x = torch.rand(1, 2, 6, 4) + 0.1
-    got = block_max_logits(x, -x, 0.5, chunk_elements=7)  # every logit negative
+    got = block_max_logits(x, -x, 0.5, block_bytes=7 * 4)  # every logit negative
     expected = (-0.5 * x @ x.transpose(-1, -2)).masked_fill(torch.ones(6, 6, dtype=torch.bool).triu(1), -math.inf)
     assert (got < 0).all()
     torch.testing.assert_close(got, expected.amax(dim=(0, 2, 3)))
@@ -151,18 +164,19 @@ def test_max_logit_is_signed():
 
 def test_recording_needs_no_full_logit_matrix():
     q, k = torch.randn(2, 4, 256, 8), torch.randn(2, 4, 256, 8)
-    expected = block_max_logits(q, k, chunk_elements=1 << 30)
-    torch.testing.assert_close(block_max_logits(q, k, chunk_elements=2 * 4 * 256 * 16), expected)  # 16 query rows a block
+    expected = block_max_logits(q, k, block_bytes=1 << 32)
+    torch.testing.assert_close(block_max_logits(q, k, block_bytes=2 * 4 * 256 * 16 * 4), expected)  # 16 query rows a block
 
 
 # ---------------------------------------------------------------- clipping
 
 
-def boost(model, kind):
+def boost(model, kind, boosted=None):
     """Make some heads (for GQA: all of KV group 0 and one head of group 1) clearly the largest;
     returns their (layer, head) mask. A tau between them and the rest exercises every rule."""
     layers = find_attention_layers(model)
-    boosted = [0, 1, 2, 3] if kind == "gqa" else [1]  # GQA: heads 0-2 are KV group 0
+    if boosted is None:
+        boosted = [0, 1, 2, 3] if kind == "gqa" else [1]  # GQA: heads 0-2 are KV group 0
     with torch.no_grad():
         for layer in layers:
             wq = layer.module.wq_b if kind == "mla_lora" else layer.module.wq
@@ -200,7 +214,7 @@ def test_clip_bounds_clipped_heads_and_keeps_the_others(kind):
     with torch.no_grad():
         model(batch)
     tau = tau_between(capture.head_max(), boosted)
-    qk_clip = QKClip(model, tau=tau, alpha=0.5, chunk_elements=64)
+    qk_clip = QKClip(model, tau=tau, alpha=0.5, block_bytes=64 * 4)
     before_weights = {n: p.detach().clone() for n, p in model.named_parameters()}
     with torch.no_grad():
         model(batch)
@@ -312,3 +326,24 @@ def test_varlen_attention_is_refused():
     args = TransformerModelArgs(dim=16, n_layers=1, n_heads=2, vocab_size=VOCAB, max_seq_len=SEQ, attn_type="varlen")
     with pytest.raises(NotImplementedError, match="varlen"):
         QKClip(Transformer(args))
+
+
+def test_a_model_part_without_attention_is_skipped_only_when_allowed():
+    head = nn.Sequential(nn.LayerNorm(36), nn.Linear(36, VOCAB))  # a last pipeline stage: norm + output
+    with pytest.raises(ValueError, match="no attention module"):
+        build_qk_clips([llama(), head])
+    clips = build_qk_clips([llama(), head], allow_parts_without_attention=True)
+    assert isinstance(clips[0], QKClip) and clips[1] is None
+
+
+def test_a_tensor_lr_is_read_on_the_device():
+    model = llama()
+    qk_clip = QKClip(model, tau=1e-3)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with torch.no_grad():
+        model(tokens())
+    assert dict(qk_clip.reduce_and_clip(lr=torch.tensor(0.0)))["qk_clip/heads_clipped"] == 0
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    with torch.no_grad():
+        model(tokens())
+    assert dict(qk_clip.reduce_and_clip(lr=torch.tensor(0.1)))["qk_clip/heads_clipped"] == 18

@@ -43,14 +43,14 @@ def _train_then_clip(model, qk_clip, capture, batch, final_tau, rank, world, blo
         _loss(model, tokens(10 + step, BATCH).chunk(world)[rank]).backward()
         optimizer.step()
         optimizer.zero_grad()
-        step_metrics.append(qk_clip.reduce_and_clip(optimizer))
+        step_metrics.append(dict(qk_clip.reduce_and_clip(optimizer)))
     trained_params = _full(model)
 
     qk_clip.tau = final_tau
     with torch.no_grad():
         model(batch.chunk(world)[rank])
     before, s_local = dict(capture.logits), capture.head_max()
-    clip_metrics = qk_clip.reduce_and_clip(lr=1.0)
+    clip_metrics = dict(qk_clip.reduce_and_clip(lr=1.0))
     for block in blocks:
         block.unshard()
     after = capture.rerun_layers()

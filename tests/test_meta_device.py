@@ -127,3 +127,20 @@ def test_op_count_per_matrix():
         per_matrix = (large[0][3] - small[0][3]) / (large_matrices - small_matrices)
         print(f"{case}: {per_matrix:.1f} aten ops per Muon matrix per step")
         assert per_matrix <= OPS_PER_MATRIX[case], (case, per_matrix)
+
+
+def test_transient_memory_is_bounded_by_the_window():
+    """Beyond the updates held for the commit (the rank's Muon shard, in the wire dtype), the
+    step's buffers are a window of buckets: at most K outbound exchanges (send + receive),
+    K + 1 return trips and one batch of Newton-Schulz workspace (input, Gram, polynomial,
+    result in fp32) — per-bucket maxima, so the bound does not grow with the model."""
+    for layers in (1, 4):
+        _, _, opt = _run(layers, bucket_size_mb=64, buckets_in_flight=2)
+        c, k = opt.comm_dtype.itemsize, opt.buckets_in_flight
+        held = sum(e.stack(e.param).numel() for e in opt._muon_params) * c
+        outbound = max(s.send_numel + s.recv_numel for s in opt.schedules) * c
+        back = max(s.send_numel + s.recv_numel for s in opt.schedules) * c
+        owned = max(sum(opt.plan.units[u].numel for u in s.owned) for s in opt.schedules) * 4
+        with DeviceAudit():  # answers the metrics' device reads
+            peak = opt.last_step_metrics["muon/peak_transient_bytes"]
+        assert peak - held <= k * outbound + (k + 1) * back + 4 * owned, (layers, peak, held)

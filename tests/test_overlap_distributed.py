@@ -7,7 +7,7 @@ step() corrects for gradient clipping (per matrix) and re-sends what changed oth
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from distributed import run_distributed
 from test_optimizer_distributed import _batches, _loss, fsdp_model
@@ -104,32 +104,66 @@ def test_overlap_with_bf16_communication_catches_changes_per_matrix():
         assert result["sent_in_backward"][1:] == [float(expected)] * 2, tamper
 
 
-def _checkpoint_roundtrip(rank, world, path, save):
-    """Owner-held momentum goes through DCP laid out like the parameters, so it reshards."""
+def _checkpoint_roundtrip(rank, world, path, save, momentum_dtype):
+    """Owner-held momentum goes through DCP laid out like the parameters, so it reshards.
+    Flattened optimizer state dicts, as torchtitan uses (their loader reads optimizer.state's keys)."""
+    options = StateDictOptions(flatten_optimizer_state_dict=True)
     model = fsdp_model(world)
-    opt = _optimizer(model, overlap=True, momentum_dtype="fp32")
+    opt = _optimizer(model, overlap=True, momentum_dtype=momentum_dtype)
     steps = 2 if save else 0
     for s in range(steps):
         _loss(model, _batches(s).chunk(world)[rank]).backward()
         opt.step()
         opt.zero_grad()
     if save:
-        model_sd, optim_sd = get_state_dict(model, opt)
+        model_sd, optim_sd = get_state_dict(model, opt, options=options)
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
     else:
-        model_sd, optim_sd = get_state_dict(model, opt)
+        model_sd, optim_sd = get_state_dict(model, opt, options=options)
         state = {"model": model_sd, "optim": optim_sd}
         dcp.load(state, checkpoint_id=path)
-        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options)
     _loss(model, _batches(5).chunk(world)[rank]).backward()
     opt.step()
     return {n: p.full_tensor() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("load_world", [1, 3])
-def test_owner_momentum_checkpoint_reshards(tmp_path, load_world):
-    straight = run_distributed(_checkpoint_roundtrip, 2, str(tmp_path), True)
-    resumed = run_distributed(_checkpoint_roundtrip, load_world, str(tmp_path), False)
+@pytest.mark.parametrize("load_world,momentum_dtype", [(1, "fp32"), (3, "fp8")])
+def test_owner_momentum_checkpoint_reshards(tmp_path, load_world, momentum_dtype):
+    straight = run_distributed(_checkpoint_roundtrip, 2, str(tmp_path), True, momentum_dtype)
+    resumed = run_distributed(_checkpoint_roundtrip, load_world, str(tmp_path), False, momentum_dtype)
     for name, tensor in straight[0].items():
         # Same fp32 math on another layout: sums of FSDP gradient pieces in another order.
         assert (resumed[0][name] - tensor).abs().max().item() <= 1e-5, name
+
+
+def _replan(rank, world):
+    import torch.distributed as dist
+    from torch import nn
+
+    created = []
+    original = dist.new_group
+
+    def counting(*args, **kwargs):
+        created.append(args[0] if args else kwargs.get("ranks"))
+        return original(*args, **kwargs)
+
+    dist.new_group = counting
+    try:
+        model = fsdp_model(world)
+        groups = build_param_groups(model, adamw_lr=3e-3)
+        opt = Muon(groups[:1], lr=0.02, overlap=True)
+        first = len(created)
+        extra = nn.Parameter(torch.zeros(3))
+        opt.add_param_group({"params": [("extra", extra)], "use_muon": False})
+        opt.add_param_group(groups[1])
+        second = Muon(groups[:1], lr=0.02, overlap=True)  # another optimizer over the same ranks
+        return {"first": first, "after": len(created), "alive": second.transport.world_size}
+    finally:
+        dist.new_group = original
+
+
+def test_replanning_creates_no_new_process_groups():
+    for result in run_distributed(_replan, 2):
+        assert result["first"] == 1  # the twin group for overlapped sends
+        assert result["after"] == result["first"], "re-planning created process groups again"

@@ -62,6 +62,29 @@ def test_invalid_optimizer_value_is_named(tmp_path, line, key):
         validate_optimizer_config(parse(toml=str(toml)).optimizer)
 
 
+@pytest.mark.parametrize("name", ["AdamW", "Adam"])
+def test_qk_clip_with_another_optimizer_is_refused(name):
+    optimizer = parse("--optimizer.name", name, "--optimizer.qk_clip").optimizer
+    assert optimizer.qk_clip and optimizer.name == name
+    with pytest.raises(ValueError, match=rf'\[optimizer\] qk_clip = true needs name = "Muon", got name = {name!r}'):
+        validate_optimizer_config(optimizer)
+    optimizer.qk_clip = False
+    validate_optimizer_config(optimizer)
+
+
+def test_qk_clip_under_context_parallel_is_refused():
+    from torchtitan.distributed import ParallelDims
+
+    from titan_muon.torchtitan.qk_clip import qk_clip_group
+
+    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=2, tp=1, pp=1, ep=1, etp=1, world_size=2)
+    # Checked before any mesh is built: the same error on every rank, no collective.
+    with pytest.raises(ValueError, match=r"\[optimizer\] qk_clip = true .*\[parallelism\] context_parallel_degree = 2"):
+        qk_clip_group(dims)
+    with pytest.raises(ValueError, match=r"context_parallel_degree = 2"):
+        MuonOptimizersContainer([tiny_llama()], parse().optimizer, dims)
+
+
 def test_muon_without_config_module_is_explained(tmp_path):
     toml = tmp_path / "plain.toml"
     toml.write_text(

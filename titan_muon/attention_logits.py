@@ -7,18 +7,32 @@ sees exactly what softmax sees, so nothing in torchtitan has to be forked.
 
 The hook keeps a running max over every forward of a step (micro-batches, activation
 recompute: max is idempotent) without building a (B, H, L, L) tensor: it walks query blocks
-sized to ``chunk_elements`` logits, so peak extra memory is one block.
+whose logits fit a byte budget (:func:`default_block_bytes`), one batched matmul per block.
+Under tensor parallelism a rank sees only its heads; they go to their global head slots,
+found from the global rows of the query projection it holds.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
-DEFAULT_CHUNK_ELEMENTS = 1 << 20  # logits per query block: 4 MiB in fp32 (fastest on CPU, see docs)
+from titan_muon.layout import local_block
+
+CPU_BLOCK_BYTES = 4 << 20
+"""Logits per query block on CPU: 4 MiB (2^20 fp32 logits), the fastest size measured (docs/muonclip.md)."""
+ACCELERATOR_BLOCK_BYTES = 1 << 30
+"""Elsewhere (CUDA, other accelerators, meta): 1 GiB, so a layer at sequence length 8192 takes a few blocks."""
+
+
+def default_block_bytes(device: torch.device | str) -> int:
+    return CPU_BLOCK_BYTES if torch.device(device).type == "cpu" else ACCELERATOR_BLOCK_BYTES
 
 
 def block_max_logits(
@@ -28,7 +42,7 @@ def block_max_logits(
     *,
     is_causal: bool = True,
     mask_mod=None,
-    chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
+    block_bytes: int | None = None,
 ) -> Tensor:
     """Max over batch, queries and unmasked keys of ``scale * q·k`` for every query head, in fp32.
 
@@ -36,49 +50,99 @@ def block_max_logits(
     K head g serves Q heads g*Hq/Hk ... (g+1)*Hq/Hk - 1, as SDPA's ``enable_gqa``).
     ``mask_mod(b, h, q_idx, kv_idx) -> bool`` (FlexAttention's convention: True = attend)
     replaces the causal mask when given. A head whose every logit is masked reports -inf.
+    A query block holds at most ``block_bytes`` of logits (default: :func:`default_block_bytes`).
     """
     batch, q_heads, q_len, dim = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
     if q_heads % kv_heads:
         raise ValueError(f"max-logit recording: {q_heads} query heads are not a multiple of {kv_heads} key heads")
-    if is_causal and mask_mod is None and q_len != kv_len:
+    causal = is_causal and mask_mod is None
+    if causal and q_len != kv_len:
         raise ValueError(f"max-logit recording: causal attention with {q_len} queries but {kv_len} keys is not supported")
     scale = 1.0 / math.sqrt(dim) if scale is None else float(scale)
     rep = q_heads // kv_heads
-    qg = q.detach().reshape(batch, kv_heads, rep, q_len, dim)
-    kt = k.detach().reshape(batch, kv_heads, 1, kv_len, dim).transpose(-1, -2)
-    block = max(1, chunk_elements // max(1, batch * q_heads * kv_len))
-    best = torch.full((kv_heads, rep), -math.inf, dtype=torch.float32, device=q.device)
+    budget = default_block_bytes(q.device) if block_bytes is None else int(block_bytes)
+    block = max(1, min(q_len, budget // max(1, batch * q_heads * kv_len * q.element_size())))
+
+    # Queries as (B*Hk, Lq, rep, D): a block of query positions is one contiguous slice, and all
+    # the Q heads sharing a K head multiply it in one batched matmul (K is never repeated).
+    queries = q.detach().reshape(batch, kv_heads, rep, q_len, dim).transpose(2, 3).reshape(batch * kv_heads, q_len, rep, dim).contiguous()
+    keys_t = k.detach().reshape(batch * kv_heads, kv_len, dim).transpose(1, 2)  # (B*Hk, D, Lk)
+    upper = torch.ones(block, block, dtype=torch.bool, device=q.device).triu(1)[:, None, :] if causal else None  # (i, rep, j): j > i
+    best = torch.full((kv_heads, rep), -math.inf, dtype=q.dtype, device=q.device)
     for start in range(0, q_len, block):
         end = min(q_len, start + block)
-        q_block = qg[..., start:end, :]
-        if mask_mod is None and is_causal:
-            # Keys before the block are visible to every query in it; only the square on the
-            # diagonal needs a mask, and keys after it are never computed.
-            if start > 0:
-                best = torch.maximum(best, _amax(q_block @ kt[..., :start]))
-            square = q_block @ kt[..., start:end]
-            best = torch.maximum(best, _amax(square.masked_fill(_upper(end - start, q.device), -math.inf)))
-            continue
-        logits = q_block @ kt  # (B, Hk, rep, end-start, Lk)
-        if mask_mod is not None:
-            b = torch.arange(batch, device=q.device).view(batch, 1, 1, 1, 1)
-            h = torch.arange(q_heads, device=q.device).view(1, kv_heads, rep, 1, 1)
-            q_idx = torch.arange(start, end, device=q.device).view(1, 1, 1, -1, 1)
-            kv_idx = torch.arange(kv_len, device=q.device).view(1, 1, 1, 1, -1)
-            logits = logits.masked_fill(~mask_mod(b, h, q_idx, kv_idx), -math.inf)
-        best = torch.maximum(best, _amax(logits))
-    # Multiply after the max (the scale is positive): one fewer pass over the block.
-    return (best * scale).reshape(q_heads)
+        rows = end - start
+        # Causal: keys after the block are never computed; only the diagonal square needs a mask.
+        keys_end = end if causal else kv_len
+        logits = torch.bmm(queries[:, start:end].reshape(-1, rows * rep, dim), keys_t[..., :keys_end])
+        logits = logits.view(batch, kv_heads, rows, rep, keys_end)
+        if causal:
+            logits[..., start:end].masked_fill_(upper[:rows, :, :rows], -math.inf)
+        elif mask_mod is not None:
+            logits.masked_fill_(~_allowed(mask_mod, batch, kv_heads, rep, start, end, kv_len, q.device), -math.inf)
+        best = torch.maximum(best, logits.amax(dim=(0, 2, 4)))
+    # max is exact in any dtype: take it in the activations' dtype, widen only the result; and
+    # multiply after the max (the scale is positive): one fewer pass over the block.
+    return (best.float() * scale).reshape(q_heads)
 
 
-def _amax(logits: Tensor) -> Tensor:
-    # max is exact in any dtype: take it in the activations' dtype, widen only the result.
-    return logits.amax(dim=(0, 3, 4)).float()
+def _allowed(mask_mod, batch, kv_heads, rep, start, end, kv_len, device) -> Tensor:
+    """mask_mod on index grids broadcast to the (B, Hk, rows, rep, Lk) block."""
+    b = torch.arange(batch, device=device).view(batch, 1, 1, 1, 1)
+    h = torch.arange(kv_heads * rep, device=device).view(1, kv_heads, 1, rep, 1)
+    q_idx = torch.arange(start, end, device=device).view(1, 1, -1, 1, 1)
+    kv_idx = torch.arange(kv_len, device=device).view(1, 1, 1, 1, -1)
+    return mask_mod(b, h, q_idx, kv_idx)
 
 
-def _upper(n: int, device: torch.device) -> Tensor:
-    return torch.ones(n, n, dtype=torch.bool, device=device).triu(1)
+def held_rows(t: Tensor, dim: int = 0) -> tuple[int, int]:
+    """Global [start, stop) of dimension ``dim`` that this rank's local tensor holds.
+
+    One contiguous range for every placement FSDP2, HSDP, tensor parallel and FSDP2 on top of
+    tensor parallel produce (titan_muon.layout computes it; other nestings raise there).
+    """
+    if not isinstance(t, DTensor):
+        return 0, t.shape[dim]
+    coordinate = t.device_mesh.get_coordinate()
+    if coordinate is None:  # this rank is not in the tensor's mesh
+        return 0, 0
+    # Seen as a (length, 1) matrix: only the splits of `dim` move its rows.
+    as_rows = [_rows_placement(p, dim) for p in t.placements]
+    return local_block((t.shape[dim], 1), as_rows, tuple(t.device_mesh.shape), coordinate)[1]
+
+
+def _rows_placement(placement, dim: int):
+    if isinstance(placement, _StridedShard):
+        return _StridedShard(0, split_factor=placement.split_factor) if placement.dim == dim else Replicate()
+    return Shard(0) if isinstance(placement, Shard) and placement.dim == dim else Replicate()
+
+
+def query_projection(attention: nn.Module) -> nn.Linear:
+    """The linear layer whose output rows are the query heads (MLA with a q LoRA: ``wq_b``)."""
+    return attention.wq_b if getattr(attention, "q_lora_rank", 0) else attention.wq
+
+
+def first_local_head(attention: nn.Module, local_heads: int) -> int:
+    """Global index of the first query head this rank computes (tensor parallel: not 0).
+
+    Read from the global rows of the query projection's weight as it is during forward: a
+    plain tensor (all heads), or the tensor-parallel DTensor (``Shard(0)``: a head range).
+    """
+    weight = query_projection(attention).weight
+    rows_per_head = weight.shape[0] // int(attention.n_heads)
+    start, stop = held_rows(weight)
+    if start % rows_per_head or stop - start != local_heads * rows_per_head:
+        raise NotImplementedError(
+            f"max-logit recording: the query projection holds global rows [{start}, {stop}) "
+            f"({getattr(weight, 'placements', 'not a DTensor')}), which are not the {local_heads} whole "
+            f"heads of {rows_per_head} rows that attention received"
+        )
+    return start // rows_per_head
+
+
+def parameter_device(module: nn.Module) -> torch.device:
+    return next(module.parameters()).device
 
 
 class MaxLogitRecorder:
@@ -86,16 +150,17 @@ class MaxLogitRecorder:
 
     ``layers`` are attention modules with an ``inner_attention`` child and an ``n_heads``
     attribute (torchtitan's llama3/llama4/qwen3 GQA and deepseek_v3 MLA attention).
-    ``max_logits`` is a (layers, max heads) fp32 tensor, -inf where nothing was recorded.
+    ``max_logits`` is a (layers, max heads) fp32 tensor on the layers' parameter device,
+    -inf where nothing was recorded. Nothing here reads a tensor on the host.
     """
 
-    def __init__(self, layers: list[nn.Module], chunk_elements: int = DEFAULT_CHUNK_ELEMENTS):
+    def __init__(self, layers: list[nn.Module], block_bytes: int | None = None):
         if not layers:
             raise ValueError("MaxLogitRecorder: no attention layers to record")
         self.layers = layers
         self.heads = [int(layer.n_heads) for layer in layers]
-        self.chunk_elements = int(chunk_elements)
-        self.max_logits: Tensor | None = None  # allocated on the activations' device at first use
+        self.block_bytes = block_bytes
+        self.max_logits = torch.full((len(layers), max(self.heads)), -math.inf, device=parameter_device(layers[0]))
         self.enabled = True
         self._handles = []
         for index, layer in enumerate(layers):
@@ -104,10 +169,10 @@ class MaxLogitRecorder:
             self._handles.append(layer.inner_attention.register_forward_pre_hook(hook, with_kwargs=True))
 
     @classmethod
-    def attach(cls, model: nn.Module, chunk_elements: int = DEFAULT_CHUNK_ELEMENTS) -> "MaxLogitRecorder":
+    def attach(cls, model: nn.Module, block_bytes: int | None = None) -> "MaxLogitRecorder":
         from titan_muon.clip import find_attention_layers
 
-        return cls([layer.module for layer in find_attention_layers(model)], chunk_elements)
+        return cls([layer.module for layer in find_attention_layers(model)], block_bytes)
 
     @staticmethod
     def _check_supported(layer: nn.Module) -> None:
@@ -119,10 +184,17 @@ class MaxLogitRecorder:
             )
 
     def _hook_for(self, index: int):
+        attention = self.layers[index]
+
         def hook(module, args, kwargs):
             if self.enabled and module.training:  # evaluation forwards are not part of the step
                 q = args[0] if args else kwargs["q"]
                 k = args[1] if len(args) > 1 else kwargs["k"]
+                if isinstance(q, DTensor):  # heads sharded as a DTensor (dim 1): its placement says which
+                    first_head = held_rows(q, 1)[0]
+                    q, k = q.to_local(), k.to_local()
+                else:
+                    first_head = first_local_head(attention, q.shape[1])
                 block_mask = kwargs.get("block_mask")
                 with torch.no_grad():
                     observed = block_max_logits(
@@ -131,33 +203,32 @@ class MaxLogitRecorder:
                         kwargs.get("scale"),
                         is_causal=kwargs.get("is_causal", True),
                         mask_mod=None if block_mask is None else block_mask.mask_mod,
-                        chunk_elements=self.chunk_elements,
+                        block_bytes=self.block_bytes,
                     )
-                    self._update(index, observed)
+                    self._update(index, first_head, observed)
             return None
 
         return hook
 
-    def _buffer(self, device: torch.device) -> Tensor:
-        if self.max_logits is None:
-            self.max_logits = torch.full((len(self.heads), max(self.heads)), -math.inf, device=device)
-        return self.max_logits
-
-    def _update(self, index: int, observed: Tensor) -> None:
-        row = self._buffer(observed.device)[index, : observed.numel()]
+    def _update(self, index: int, first_head: int, observed: Tensor) -> None:
+        if self.max_logits.device != observed.device:  # the model moved after the recorder was built
+            self.max_logits = self.max_logits.to(observed.device)
+        row = self.max_logits[index, first_head : first_head + observed.numel()]
         # NaN marks the head as non-finite (+inf), so a NaN forward can never be taken for a small logit.
         row.copy_(torch.maximum(row, observed.nan_to_num(nan=math.inf)))
 
-    def all_reduce(self, group: dist.ProcessGroup | None = None, device: torch.device | None = None) -> Tensor:
-        """One MAX all-reduce of all layers together over `group` (no-op without torch.distributed)."""
-        buffer = self._buffer(device or torch.device("cpu"))
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
-            dist.all_reduce(buffer, op=dist.ReduceOp.MAX, group=group)
-        return buffer
+    def all_reduce(self, group: dist.ProcessGroup | Sequence[dist.ProcessGroup] | None = None) -> Tensor:
+        """MAX all-reduce of all layers together over `group` (None: the world; a sequence of
+        groups: their product, one all-reduce each). A no-op without torch.distributed."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return self.max_logits
+        for one in group if isinstance(group, Sequence) else [group]:
+            if dist.get_world_size(one) > 1:
+                dist.all_reduce(self.max_logits, op=dist.ReduceOp.MAX, group=one)
+        return self.max_logits
 
     def reset(self) -> None:
-        if self.max_logits is not None:
-            self.max_logits.fill_(-math.inf)
+        self.max_logits.fill_(-math.inf)
 
     def remove(self) -> None:
         for handle in self._handles:

@@ -16,22 +16,27 @@ h by a·b. The rules below pick a, b per head:
 * MLA: per head, q_nope rows * gamma^alpha, k_nope rows (in wkv_b) * gamma^(1-alpha),
   q_rope rows * gamma; the shared k_rope (in wkv_a) and the V rows are untouched.
 
-Weights may be FSDP2 DTensors sharded ``Shard(0)``: every rank scales the rows it holds,
-whatever head they belong to, from a per-row factor vector. No communication.
+Weights may be DTensors sharded by FSDP2, HSDP, tensor parallel or FSDP2 on top of tensor
+parallel (``Shard(0)`` / ``_StridedShard(0)``): every rank scales the rows it holds, whatever
+head they belong to, from a per-global-row factor vector. No communication, and no host read:
+rows of unclipped heads are multiplied by exactly 1.
 """
 
 from __future__ import annotations
 
+import logging
 import math
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from titan_muon.attention_logits import DEFAULT_CHUNK_ELEMENTS, MaxLogitRecorder
-from titan_muon.plan import shard_rows
+from titan_muon.attention_logits import MaxLogitRecorder, held_rows, query_projection
+from titan_muon.update import local_shard
+
+logger = logging.getLogger(__name__)
 
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
 
@@ -45,18 +50,20 @@ class AttentionLayer:
     kind: str  # "gqa" (covers MHA) or "mla"
     n_heads: int
 
-    def row_factors(self, gamma: Tensor, alpha: float) -> list[tuple[nn.Linear, Tensor]]:
-        """(projection, factor per global output row) pairs that scale head h's logits by gamma[h]."""
+    def row_factors(self, gamma: Tensor, clipped: Tensor, alpha: float) -> list[tuple[nn.Linear, Tensor]]:
+        """(projection, factor per global output row) pairs that scale head h's logits by gamma[h].
+
+        ``gamma`` is 1 wherever ``clipped`` is False; both are (n_heads,) on the weights' device.
+        """
         m = self.module
         if self.kind == "mla":
             nope, rope, v = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
             q = torch.cat([gamma[:, None].pow(alpha).expand(-1, nope), gamma[:, None].expand(-1, rope)], dim=1)
-            kv = torch.cat([gamma[:, None].pow(1 - alpha).expand(-1, nope), torch.ones(self.n_heads, v, dtype=gamma.dtype)], dim=1)
-            wq = m.wq if m.q_lora_rank == 0 else m.wq_b
-            return [(wq, q.reshape(-1)), (m.wkv_b, kv.reshape(-1))]
+            kv = torch.cat([gamma[:, None].pow(1 - alpha).expand(-1, nope), gamma.new_ones(self.n_heads, v)], dim=1)
+            return [(query_projection(m), q.reshape(-1)), (m.wkv_b, kv.reshape(-1))]
         groups = gamma.view(m.n_kv_heads, -1)  # (kv heads, q heads per kv head), SDPA enable_gqa order
-        whole_group_clipped = (groups < 1).all(dim=1)
-        k = torch.where(whole_group_clipped, groups.amax(dim=1).pow(1 - alpha), torch.ones_like(whole_group_clipped, dtype=gamma.dtype))
+        whole_group_clipped = clipped.view(m.n_kv_heads, -1).all(dim=1)
+        k = torch.where(whole_group_clipped, groups.amax(dim=1).pow(1 - alpha), 1.0)
         q = groups / k[:, None]
         return [(m.wq, q.reshape(-1).repeat_interleave(m.head_dim)), (m.wk, k.repeat_interleave(m.head_dim))]
 
@@ -67,12 +74,15 @@ def _clean_name(name: str) -> str:
     return name
 
 
-def find_attention_layers(model: nn.Module) -> list[AttentionLayer]:
-    """TorchTitan attention modules of `model`, in model order.
+def find_attention_layers(model: nn.Module, *, required: bool = True) -> list[AttentionLayer]:
+    """TorchTitan attention modules of `model`, in model order, named by their FQN.
 
     GQA/MHA: modules with ``inner_attention``, ``wq``, ``wk``, ``n_heads``, ``n_kv_heads``,
     ``head_dim`` (llama3, llama4, qwen3 without qk-norm). MLA: ``wkv_b`` and ``wq`` or ``wq_b``
-    (deepseek_v3). Raises on qk-norm, where rescaling the weights cannot change the logits.
+    (deepseek_v3). Raises on qk-norm, where rescaling the weights cannot change the logits,
+    and (if ``required``) when there is no attention module at all.
+    torchtitan keys ``model.layers`` by the global layer id, so a pipeline stage's names
+    (``layers.7.attention``) are the whole model's.
     """
     layers = []
     for name, module in model.named_modules():
@@ -80,8 +90,7 @@ def find_attention_layers(model: nn.Module) -> list[AttentionLayer]:
             continue
         name = _clean_name(name)
         if hasattr(module, "wkv_b"):
-            wq = module.wq if module.q_lora_rank == 0 else module.wq_b
-            _check_rows(name, wq, module.n_heads * (module.qk_nope_head_dim + module.qk_rope_head_dim))
+            _check_rows(name, query_projection(module), module.n_heads * (module.qk_nope_head_dim + module.qk_rope_head_dim))
             _check_rows(name, module.wkv_b, module.n_heads * (module.qk_nope_head_dim + module.v_head_dim))
             layers.append(AttentionLayer(name, module, "mla", int(module.n_heads)))
         elif hasattr(module, "wq") and hasattr(module, "wk"):
@@ -96,61 +105,50 @@ def find_attention_layers(model: nn.Module) -> list[AttentionLayer]:
             layers.append(AttentionLayer(name, module, "gqa", int(module.n_heads)))
         else:
             raise ValueError(f"QK-clip: attention {name!r} ({type(module).__name__}) is neither GQA (wq, wk) nor MLA (wkv_b)")
-    if not layers:
+    if required and not layers:
         raise ValueError(f"QK-clip: no attention module with an `inner_attention` child in {type(model).__name__}")
     return layers
 
 
 def _check_rows(name: str, linear: nn.Linear, expected: int) -> None:
-    if linear.weight.shape[0] != expected:
-        raise ValueError(f"QK-clip: {name} has {linear.weight.shape[0]} projection rows, expected {expected} (tensor parallel is not supported)")
+    if linear.weight.shape[0] != expected:  # a DTensor's shape is the global one
+        raise ValueError(f"QK-clip: {name} has {linear.weight.shape[0]} projection rows, expected {expected}")
 
 
-def _local_rows(t: Tensor) -> tuple[Tensor, int, int]:
-    """The tensor's local rows and their global range [start, end)."""
-    if not isinstance(t, DTensor):
-        return t, 0, t.shape[0]
-    start, end = 0, t.shape[0]
-    for mesh_dim, placement in enumerate(t.placements):
-        if isinstance(placement, Replicate):
-            continue
-        if type(placement) is not Shard or placement.dim != 0 or (start, end) != (0, t.shape[0]):
-            raise NotImplementedError(f"QK-clip: weights must be replicated or Shard(0) on one mesh dimension, got {t.placements}")
-        mesh = t.device_mesh
-        start, end = shard_rows(t.shape[0], mesh.size(mesh_dim))[mesh.get_local_rank(mesh_dim)]
-    local = t.to_local()
-    if local.shape[0] != end - start:
-        raise RuntimeError(f"QK-clip: local shard has {local.shape[0]} rows, expected rows [{start}, {end}) of {t.shape[0]}")
-    return local, start, end
+def scale_rows(t: Tensor, factors: Tensor) -> None:
+    """Multiply the rows of ``t`` this rank holds by ``factors[global row]``, in place."""
+    start, stop = held_rows(t)
+    local = local_shard(t)
+    if stop - start != local.shape[0]:
+        placements = getattr(t, "placements", None)
+        raise RuntimeError(f"QK-clip: local shard has {local.shape[0]} rows, expected global rows [{start}, {stop}) ({placements})")
+    local.mul_(factors[start:stop].to(device=local.device, dtype=local.dtype).view(-1, *[1] * (local.dim() - 1)))
 
 
-def _scale_rows(linear: nn.Linear, factors: Tensor) -> None:
-    for t in (linear.weight, linear.bias):  # a bias is part of q (or k) too
-        if t is None:
-            continue
-        local, start, end = _local_rows(t)
-        mine = factors[start:end]
-        if bool((mine != 1).any()):
-            local.mul_(mine.to(device=local.device, dtype=local.dtype).view(-1, *[1] * (local.dim() - 1)))
-
-
-def apply_qk_clip(layers: list[AttentionLayer], max_logits: Tensor, tau: float = 100.0, alpha: float = 0.5) -> Tensor:
+def apply_qk_clip(
+    layers: list[AttentionLayer], max_logits: Tensor, tau: float = 100.0, alpha: float = 0.5, *, live: Tensor | None = None
+) -> Tensor:
     """Clip every (layer, head) with tau < max_logits[layer, head] < inf; returns the clipped mask.
 
-    ``max_logits`` is (layers, >= heads): the data-parallel max, identical on every rank.
+    ``max_logits`` is (layers, >= heads): the max over every rank holding these layers, identical on each.
     Heads with S <= tau, S <= 0, NaN or inf are left alone (inf would zero the weights).
+    ``live`` (a device bool, e.g. lr != 0 for a tensor lr) switches the whole clip off.
+    Everything stays on the weights' device: no host read.
     """
     _check_hyperparameters(tau, alpha)
     if max_logits.shape[0] != len(layers):
         raise ValueError(f"apply_qk_clip: max_logits has {max_logits.shape[0]} rows for {len(layers)} attention layers")
-    s = max_logits.detach().to("cpu", torch.float64)
+    s = max_logits.detach().float()
     clipped = torch.isfinite(s) & (s > tau)
-    gamma = torch.where(clipped, tau / s, torch.ones_like(s))
+    if live is not None:
+        clipped &= live
+    gamma = torch.where(clipped, tau / s, 1.0)
     with torch.no_grad():
         for i, layer in enumerate(layers):
-            if clipped[i, : layer.n_heads].any():
-                for linear, factors in layer.row_factors(gamma[i, : layer.n_heads], alpha):
-                    _scale_rows(linear, factors)
+            for linear, factors in layer.row_factors(gamma[i, : layer.n_heads], clipped[i, : layer.n_heads], alpha):
+                for t in (linear.weight, linear.bias):  # a bias is part of q (or k) too
+                    if t is not None:
+                        scale_rows(t, factors)
     return clipped
 
 
@@ -161,18 +159,69 @@ def _check_hyperparameters(tau: float, alpha: float) -> None:
         raise ValueError(f"QK-clip: alpha must lie in [0, 1], got {alpha}")
 
 
+class QKClipMetrics(Mapping[str, float]):
+    """A step's QK-clip metrics, kept as device tensors until read (then one device-to-host copy).
+
+    Keys: ``qk_clip/max_logit/<layer FQN>`` (that layer's max over heads), ``qk_clip/max_logit``,
+    ``qk_clip/heads_clipped``, ``qk_clip/nonfinite_heads`` (NaN/inf heads, never clipped).
+    Listing the keys reads nothing; the first value read copies all values at once.
+    """
+
+    def __init__(self, layer_names: Sequence[str], layer_max: Tensor, heads_clipped: Tensor, nonfinite_heads: Tensor):
+        self.layer_names = list(layer_names)
+        counts = torch.stack([heads_clipped.float(), nonfinite_heads.float()])
+        self._device_values = torch.cat([layer_max.float(), counts])
+        self._values: dict[str, float] | None = None
+
+    @classmethod
+    def merge(cls, parts: Sequence["QKClipMetrics"]) -> "QKClipMetrics":
+        """One mapping for several model parts (pipeline stages): per-layer keys of all, totals summed."""
+        names = [name for part in parts for name in part.layer_names]
+        layer_max = torch.cat([part._device_values[:-2] for part in parts])
+        counts = torch.stack([part._device_values[-2:] for part in parts]).sum(dim=0)
+        return cls(names, layer_max, counts[0], counts[1])
+
+    def _keys(self) -> list[str]:
+        per_layer = [f"qk_clip/max_logit/{name}" for name in self.layer_names]
+        return [*per_layer, "qk_clip/max_logit", "qk_clip/heads_clipped", "qk_clip/nonfinite_heads"]
+
+    def _read(self) -> dict[str, float]:
+        if self._values is None:
+            *per_layer, clipped, nonfinite = self._device_values.tolist()
+            values = [*per_layer, max(per_layer), int(clipped), int(nonfinite)]
+            self._values = dict(zip(self._keys(), values))
+        return self._values
+
+    def __getitem__(self, key: str) -> float:
+        return self._read()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._keys())
+
+    def __len__(self) -> int:
+        return len(self.layer_names) + 3
+
+
+def read_metrics(parts: Sequence[QKClipMetrics]) -> dict[str, float]:
+    """All parts' metrics as plain numbers: one device-to-host copy (call it on logging steps)."""
+    return dict(QKClipMetrics.merge(parts)) if parts else {}
+
+
 class QKClip:
     """Records max logits during forward and clips after each optimizer step.
 
     Usage, once per training step::
 
-        qk_clip = QKClip(model, tau=100.0, alpha=0.5, group=dp_group)   # after fully_shard
+        qk_clip = QKClip(model, tau=100.0, alpha=0.5, group=stage_group)   # after fully_shard / TP
         ... forward / backward over the micro-batches ...
         optimizer.step()
         metrics = qk_clip.reduce_and_clip(optimizer)    # one MAX all-reduce, clip, reset
 
     Only forwards in training mode record (validation under ``model.eval()`` does not).
-    ``group`` is the data-parallel process group (HSDP: replicate × shard); None = the world.
+    ``group``: the ranks that hold these same layers, as one process group, a sequence of groups
+    whose product they are (e.g. a pipeline stage's data-parallel and tensor-parallel mesh
+    dimensions: one MAX all-reduce each), or None for the world. The step adds no host sync:
+    ``metrics`` holds device tensors until read.
     """
 
     def __init__(
@@ -180,34 +229,32 @@ class QKClip:
         model: nn.Module,
         tau: float = 100.0,
         alpha: float = 0.5,
-        group: dist.ProcessGroup | None = None,
-        chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
+        group: dist.ProcessGroup | Sequence[dist.ProcessGroup] | None = None,
+        block_bytes: int | None = None,
     ):
         _check_hyperparameters(tau, alpha)
         self.tau, self.alpha, self.group = float(tau), float(alpha), group
         self.layers = find_attention_layers(model)
-        self.recorder = MaxLogitRecorder([layer.module for layer in self.layers], chunk_elements)
-        self._device = next(self.layers[0].module.parameters()).device
+        self.recorder = MaxLogitRecorder([layer.module for layer in self.layers], block_bytes)
 
-    def reduce_and_clip(self, optimizer: torch.optim.Optimizer | None = None, *, lr: float | None = None) -> dict[str, float]:
-        """All-reduce the step's max logits, clip, reset. Call on every rank right after optimizer.step().
+    def reduce_and_clip(
+        self, optimizer: torch.optim.Optimizer | None = None, *, lr: float | Tensor | None = None
+    ) -> QKClipMetrics:
+        """All-reduce the step's max logits, clip, reset. Call on every rank of the group right after optimizer.step().
 
         The step's learning rate comes from ``lr`` or the optimizer's largest group lr; a step at
         lr == 0 (torch DCP creating optimizer state) never clips.
         """
-        max_logits = self.recorder.all_reduce(self.group, self._device)
-        if lr is None and optimizer is not None:
-            lr = max(float(group["lr"]) for group in optimizer.param_groups)
-        if lr == 0:
-            clipped = torch.zeros(max_logits.shape, dtype=torch.bool)
+        max_logits = self.recorder.all_reduce(self.group)
+        live = _step_is_live(optimizer, lr, max_logits.device)
+        if live is False:
+            clipped = torch.zeros(max_logits.shape, dtype=torch.bool, device=max_logits.device)
         else:
-            clipped = apply_qk_clip(self.layers, max_logits, self.tau, self.alpha)
-        per_layer = max_logits.amax(dim=1).tolist()
-        metrics = {f"qk_clip/max_logit/{layer.name}": value for layer, value in zip(self.layers, per_layer)}
-        metrics["qk_clip/max_logit"] = max(per_layer)
-        metrics["qk_clip/heads_clipped"] = int(clipped.sum())
-        metrics["qk_clip/nonfinite_heads"] = int((max_logits == math.inf).sum())
-        self.reset()
+            clipped = apply_qk_clip(self.layers, max_logits, self.tau, self.alpha, live=None if live is True else live)
+        metrics = QKClipMetrics(
+            [layer.name for layer in self.layers], max_logits.amax(dim=1), clipped.sum(), (max_logits == math.inf).sum()
+        )
+        self.reset()  # after the metrics' tensors were computed from the buffer
         return metrics
 
     def reset(self) -> None:
@@ -216,3 +263,40 @@ class QKClip:
     def remove(self) -> None:
         """Detach the recording hooks."""
         self.recorder.remove()
+
+
+def _step_is_live(optimizer, lr, device: torch.device) -> bool | Tensor:
+    """Whether the step's lr is nonzero: a host bool for float lrs, a device bool for tensor lrs."""
+    lrs = [lr] if lr is not None else [group["lr"] for group in optimizer.param_groups] if optimizer is not None else []
+    if not lrs or any(not isinstance(value, Tensor) and value != 0 for value in lrs):
+        return True
+    tensors = [value for value in lrs if isinstance(value, Tensor)]
+    if not tensors:
+        return False
+    return (torch.stack([value.detach().to(device).reshape(()) for value in tensors]) != 0).any()
+
+
+def build_qk_clips(
+    model_parts: Sequence[nn.Module],
+    tau: float = 100.0,
+    alpha: float = 0.5,
+    group: dist.ProcessGroup | Sequence[dist.ProcessGroup] | None = None,
+    *,
+    block_bytes: int | None = None,
+    allow_parts_without_attention: bool = False,
+) -> list[QKClip | None]:
+    """One :class:`QKClip` per model part, ``None`` for a part without attention layers.
+
+    Pipeline parallel: ``group`` is the stage's group, and every rank of it holds the same parts,
+    so a part without attention (say, a last stage of norm + output) is skipped alike on all of
+    them: nothing to reduce, nothing to hang on. Without ``allow_parts_without_attention`` such a
+    part raises (a model with qk_clip on and no attention is a configuration error).
+    """
+    clips: list[QKClip | None] = []
+    for index, part in enumerate(model_parts):
+        if find_attention_layers(part, required=not allow_parts_without_attention):
+            clips.append(QKClip(part, tau, alpha, group, block_bytes))
+        else:
+            logger.warning("QK-clip: model part %d (%s) has no attention layer: nothing to clip in it", index, type(part).__name__)
+            clips.append(None)
+    return clips

@@ -164,27 +164,35 @@ class Sharding:
         return _apply(self.whole_box, self.ops, self.grid.coordinates[rank])
 
     def holders(self, region: Box) -> Iterator[tuple[int, Box]]:
-        """(rank, intersection) for every rank that holds a non-empty part of `region`."""
-        mesh_dims = tuple(op.mesh_dim for op in self.ops)
+        """(rank, intersection) for every rank that holds a non-empty part of `region`, in mesh order.
 
-        def walk(depth: int, box: list[Range], coordinate: tuple[int, ...]):
-            if depth == len(self.ops):
-                piece = [intersect(b, r) for b, r in zip(box, region)]
-                if all(piece):
-                    yield self.grid.rank_at(mesh_dims, coordinate), tuple(piece)
-                return
+        Follows the splits in order into the chunks that meet `region` only, carrying the
+        intersection along (each split narrows one dimension of it).
+        """
+        piece = tuple(intersect(whole, wanted) for whole, wanted in zip(self.whole_box, region))
+        if not all(piece):
+            return
+        if not self.ops:  # a single rank holds everything
+            yield self.grid.rank_at((), ()), piece
+            return
+        mesh_dims = tuple(op.mesh_dim for op in self.ops)
+        last = len(self.ops) - 1
+
+        def walk(depth: int, box: Box, piece: Box, coordinate: tuple[int, ...]) -> Iterator[tuple[int, Box]]:
             op = self.ops[depth]
             lo, hi = box[op.dim]
-            want = intersect((lo, hi), region[op.dim])
-            if want is None:
-                return
-            for index in chunks_overlapping(hi - lo, op.parts, want[0] - lo, want[1] - lo):
+            want_lo, want_hi = piece[op.dim]  # box ∩ region along the split dimension
+            for index in chunks_overlapping(hi - lo, op.parts, want_lo - lo, want_hi - lo):
                 start, stop = chunk_range(hi - lo, op.parts, index)
-                inner = list(box)
-                inner[op.dim] = (lo + start, lo + stop)
-                yield from walk(depth + 1, inner, coordinate + (index,))
+                start, stop = lo + start, lo + stop
+                narrowed = piece[: op.dim] + ((max(start, want_lo), min(stop, want_hi)),) + piece[op.dim + 1 :]
+                if depth == last:
+                    yield self.grid.rank_at(mesh_dims, coordinate + (index,)), narrowed
+                else:
+                    inner = box[: op.dim] + ((start, stop),) + box[op.dim + 1 :]
+                    yield from walk(depth + 1, inner, narrowed, coordinate + (index,))
 
-        yield from walk(0, list(self.whole_box), ())
+        yield from walk(0, self.whole_box, piece, ())
 
 
 def _apply(whole: Box, ops: Sequence[ShardOp], coordinate: Sequence[int]) -> Box:

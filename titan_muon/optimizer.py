@@ -80,6 +80,22 @@ class _StepFailure:
 
 
 @dataclass
+class _TransientBytes:
+    """Bytes of the buffers the step allocates (exchange buffers, batches, held updates), as
+    the step allocates and drops them: its peak is reported as muon/peak_transient_bytes."""
+
+    live: int = 0
+    peak: int = 0
+
+    def add(self, n: int) -> None:
+        self.live += n
+        self.peak = max(self.peak, self.live)
+
+    def free(self, n: int) -> None:
+        self.live -= n
+
+
+@dataclass
 class _StepWork:
     """What the exchange phase leaves for the commit."""
 
@@ -88,6 +104,7 @@ class _StepWork:
     update_sq: list[Tensor] = field(default_factory=list)  # device scalars: sums of squared lr-scaled updates
     update_numel: int = 0
     ns_flops: int = 0
+    memory: _TransientBytes = field(default_factory=_TransientBytes)
 
 
 def _dtype(name: str, key: str, device: torch.device) -> torch.dtype:
@@ -288,9 +305,10 @@ class Muon(Optimizer):
             state = self.state[entry.param]
             if self.owner_momentum and entry.sharding is not None:
                 # Momentum lives on the owners; state_dict() lays it out like the parameter.
-                # Only a per-parameter counter (stochastic rounding's step) stays here.
-                if "step" in self.storage.keys:
-                    state.setdefault("step", torch.zeros((), dtype=torch.int64))
+                # Here every key holds a 0-dim placeholder (torch's DCP loader reads the keys
+                # from optimizer.state), except the per-parameter counter of stochastic rounding.
+                for key in self.storage.keys:
+                    state.setdefault(key, torch.zeros((), dtype=torch.int64))
             elif not state:
                 state.update(self.storage.create(entry.param))
         if self.owner_momentum:
@@ -355,10 +373,8 @@ class Muon(Optimizer):
         missing, nonfinite = host[:n], host[n : 2 * n]
         partial = [i for i, c in enumerate(missing) if 0 < c < world]
         bad = [self._param_name(gi, pi) for (gi, pi, _), c in zip(params, nonfinite) if c > 0]
-        early = self._overlap.decide(host[2 * n :], world) if self._overlap is not None else None
-        if partial or bad:
-            if self._overlap is not None:
-                self._overlap.drain()
+        usable = not (partial or bad)  # else every early send is waited for and dropped
+        early = self._overlap.decide(host[2 * n :], world, usable) if self._overlap is not None else None
         if partial:
             names = [self._param_name(*params[i][:2]) for i in partial]
             here = "present" if grads[partial[0]] is not None else "missing"
@@ -396,14 +412,20 @@ class Muon(Optimizer):
                 b = order[launched]
                 if b not in early:
                     outbound[b] = self._send(b, verdict, failure)
+                    work.memory.add(outbound[b].nbytes)
                 launched += 1
+
+        for exchange in early.values():  # received during backward, held until used
+            work.memory.add(exchange.received.numel())
 
         launch_until(self.buckets_in_flight)
         self._orthogonalize_local(verdict, failure, timer, work)
         for position, b in enumerate(order):
             launch_until(position + self.buckets_in_flight)
             schedule = self.schedules[b]
-            received = (early[b] if b in early else outbound.pop(b)).wait()
+            exchange = early[b] if b in early else outbound.pop(b)
+            work.memory.free(exchange.nbytes - exchange.received.numel())  # the send buffer, once done
+            received = exchange.wait()
             back = None
             if failure.error is None:
                 try:
@@ -412,7 +434,9 @@ class Muon(Optimizer):
                     failure.record(error, f"Newton-Schulz of bucket {b}")
             if back is None:
                 back = torch.zeros(schedule.recv_numel, dtype=self.comm_dtype, device=self.device)
+            work.memory.free(exchange.received.numel())
             returning.append((b, self.transport.all_to_all(back, schedule.recv_counts, schedule.send_counts)))
+            work.memory.add(returning[-1][1].nbytes)
             if len(returning) > self.buckets_in_flight:
                 self._receive_updates(*returning[-self.buckets_in_flight - 1], verdict, failure, work)
         for b, exchange in returning[max(0, len(returning) - self.buckets_in_flight) :]:
@@ -427,11 +451,10 @@ class Muon(Optimizer):
         if failure.error is None:
             try:
                 momenta: dict[int, Tensor] = {}  # decoded once per parameter and bucket
-                pieces = []
-                for piece in schedule.outbound:
+                send = torch.empty(schedule.send_numel, dtype=self.comm_dtype, device=self.device)
+                for piece, slot in zip(schedule.outbound, unpack(schedule, send)):  # written in place
                     entry = self._muon_params[self.plan.units[piece.unit].param]
-                    pieces.append(self._outbound_source(entry, piece.local, verdict, momenta))
-                send = pack(pieces, self.comm_dtype, self.device)
+                    self._outbound_source(entry, piece.local, verdict, momenta, out=slot)
             except Exception as error:  # noqa: BLE001 - settled on every rank in _agree_on_success
                 failure.record(error, f"packing bucket {bucket}")
         if send is None:
@@ -440,20 +463,27 @@ class Muon(Optimizer):
         return self.transport.all_to_all(send, schedule.send_counts, schedule.recv_counts)
 
     def _outbound_source(
-        self, entry: MuonParam, local: tuple[int, int, int], verdict: "_Verdict", momenta: dict[int, Tensor]
+        self, entry: MuonParam, local: tuple[int, int, int], verdict: "_Verdict", momenta: dict[int, Tensor], out: Tensor | None = None
     ) -> Tensor:
         """Rows [r0, r1) of local matrix m as they travel: the matrix to orthogonalize, or the
-        raw gradient when momentum lives on the owners."""
+        raw gradient when momentum lives on the owners; written into `out` if given."""
         m, r0, r1 = local
         p = entry.param
         if id(p) in verdict.skipped:
-            return torch.zeros_like(entry.stack(p)[m, r0:r1])
-        grad = entry.stack(p.grad)[m, r0:r1]
-        if self.owner_momentum and entry.sharding is not None:
-            return grad
-        if entry.index not in momenta:
-            momenta[entry.index] = entry.stack(self.storage.load(self.state[p]))
-        return nesterov_input(grad.float(), momenta[entry.index][m, r0:r1], entry.group["momentum"], entry.group["nesterov"])
+            value = torch.zeros_like(entry.stack(p)[m, r0:r1])
+        elif self.owner_momentum and entry.sharding is not None:
+            value = entry.stack(p.grad)[m, r0:r1]
+        else:
+            if entry.index not in momenta:
+                momenta[entry.index] = entry.stack(self.storage.load(self.state[p]))
+            grad = entry.stack(p.grad)[m, r0:r1].float()
+            direct = out is not None and out.dtype == torch.float32
+            value = nesterov_input(grad, momenta[entry.index][m, r0:r1], entry.group["momentum"], entry.group["nesterov"], out=out if direct else None)
+            if direct:
+                return out
+        if out is None:
+            return value
+        return out.copy_(value)
 
     def _orthogonalize_local(self, verdict: "_Verdict", failure: _StepFailure, timer: StepTimer, work: _StepWork) -> None:
         """Matrices this rank holds whole: orthogonalize them while the buckets travel."""
@@ -470,6 +500,7 @@ class Muon(Optimizer):
                 by_key[self._ns_key(unit)].append((unit, self._outbound_source(entry, local, verdict, momenta)))
             for key, members in by_key.items():
                 result = self._newton_schulz(key, torch.stack([m for _, m in members]), timer, work)
+                work.memory.add(result.numel() * result.element_size())  # held until the commit
                 for (unit, _), out in zip(members, result):
                     entry = self._muon_params[unit.param]
                     target = entry.stack(entry.param)[unit.matrix, unit.row_start : unit.row_end]
@@ -487,7 +518,10 @@ class Muon(Optimizer):
             matrices = batch.matrices
             if self.owner_momentum:
                 matrices = self._owner_nesterov(batch.units, matrices, scales, work)
+            workspace = 4 * matrices.numel() * matrices.element_size()  # input, Gram, polynomial, result
+            work.memory.add(workspace)
             out = self._newton_schulz(batch.key, matrices, timer, work)
+            work.memory.free(workspace)
             results.update(zip(batch.units, out.unbind(0)))
         return disassemble(schedule, results, self.comm_dtype, self.device)
 
@@ -508,6 +542,7 @@ class Muon(Optimizer):
         return torch.stack(out)
 
     def _receive_updates(self, bucket: int, exchange: Exchange, verdict: "_Verdict", failure: _StepFailure, work: _StepWork) -> None:
+        work.memory.free(exchange.nbytes - exchange.received.numel())  # the updates stay until the commit
         received = exchange.wait()
         if failure.error is not None:
             return
@@ -621,6 +656,7 @@ class Muon(Optimizer):
             "muon/bytes_sent_to_owners": float(self._outbound_bytes),
             "muon/bytes_received": float(self.transport.bytes_received),
             "muon/skipped_steps": float(self.skipped_steps),
+            "muon/peak_transient_bytes": float(work.memory.peak),
         }
         if work.update_sq:
             metrics["muon/update_rms"] = (torch.stack(work.update_sq).sum() / work.update_numel).sqrt()
@@ -639,6 +675,13 @@ class Muon(Optimizer):
             self._metrics_read = {k: float(v) if not callable(v) else float(v()) for k, v in self._metrics.items()}
         return self._metrics_read
 
+    def local_state_bytes(self) -> int:
+        """Bytes of optimizer state this rank holds: AdamW moments, Muon momentum on its blocks
+        or, with momentum on the owners, the whole matrices it owns."""
+        tensors = [v for state in self.state.values() for v in state.values() if isinstance(v, Tensor)]
+        tensors += [v for block in self._owner_momentum.values() for v in block.values()]
+        return sum(local_shard(t).numel() * local_shard(t).element_size() for t in tensors if t.ndim > 0)
+
     # ------------------------------------------------------------ checkpoints
 
     def state_dict(self) -> dict:
@@ -650,8 +693,9 @@ class Muon(Optimizer):
             return state_dict
         states = {e.param: self.storage.create(e.param) for e in sharded}
         for e in sharded:
-            for key, value in self.state[e.param].items():  # per-parameter counters
-                states[e.param][key] = value.clone()
+            for key, value in states[e.param].items():
+                if value.ndim == 0:  # a per-parameter counter: every rank has it
+                    states[e.param][key] = self.state[e.param][key].clone()
         blocks_to_shards(self.storage, self._muon_params, self.plan, self.schedules, self.transport, self._owner_momentum, states)
         index_of = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
         for e in sharded:
@@ -690,7 +734,8 @@ class Muon(Optimizer):
 
     def _move_loaded_momentum_to_owners(self) -> None:
         sharded = [e for e in self._muon_params if e.sharding is not None]
-        loaded = [set(self.state[e.param]) >= set(self.storage.keys) for e in sharded]
+        tensors = [k for k, v in self.storage.create_block(1, 1, "meta").items() if v.ndim > 0]
+        loaded = [all(self.state[e.param].get(k, torch.zeros(())).ndim > 0 for k in tensors) for e in sharded]
         if not any(loaded):
             return
         if not all(loaded):
@@ -701,7 +746,8 @@ class Muon(Optimizer):
             self.storage, self._muon_params, self.plan, self.schedules, self.transport, states, self.device
         )
         for e in sharded:
-            self.state[e.param] = {k: v for k, v in self.state[e.param].items() if v.ndim == 0}
+            for key in tensors:
+                self.state[e.param][key] = torch.zeros((), dtype=torch.int64)  # placeholder again
 
     @staticmethod
     def _process_value_according_to_param_policy(param, value, param_id, param_groups, key=None):

@@ -206,9 +206,9 @@ class BackwardOverlap:
         mismatch = (error > bound).any(dim=1) | ((square_sent == 0) & (square_final > 0)) | ~torch.isfinite(scale)
         return torch.cat([flags, mismatch.double(), scale])
 
-    def decide(self, host: list[float], world: int) -> EarlySends:
+    def decide(self, host: list[float], world: int, usable: bool = True) -> EarlySends:
         """Which early sends ``step()`` uses (the same decision on every rank); waits for and
-        drops the others."""
+        drops the others — all of them if the step will not run (not `usable`)."""
         buckets, entries = len(self.schedules), len(self.entries)
         unsent, failed = host[:buckets], host[buckets : 2 * buckets]
         mismatch, scale = host[2 * buckets : 2 * buckets + entries], host[2 * buckets + entries :]
@@ -222,7 +222,7 @@ class BackwardOverlap:
         early = EarlySends(bytes_sent=self.transport.bytes_sent)
         for b, launch in self.launches.items():
             start, members = self.entry_start[b], self.params_of[b]
-            if failed[b] == 0 and not any(mismatch[start : start + len(members)]):
+            if usable and failed[b] == 0 and not any(mismatch[start : start + len(members)]):
                 early.arrived[b] = launch.exchange
                 early.scales[b] = dict(zip(members, scale[start : start + len(members)]))
             else:

@@ -15,6 +15,7 @@ here touches torch.distributed.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import heapq
 import itertools
@@ -107,14 +108,13 @@ def assign_owners(
     """
     owners = [-1] * len(costs)
     loads = [0] * world_size
-    heap = [(0, r) for r in range(world_size)]  # (load, rank), lazily refreshed
+    heap = [(0, r) for r in range(world_size)]  # (load, rank); every change of a load pushes a fresh entry
     byte_aware = numels is not None and local_pieces is not None and shard_numels is not None
     sent = list(shard_numels) if byte_aware else []
     margin = slack * sum(costs) / max(world_size, 1)
     for u in sorted(range(len(costs)), key=lambda u: (-costs[u], u)):
-        while heap[0][0] != loads[heap[0][1]]:
-            load, rank = heapq.heappop(heap)
-            heapq.heappush(heap, (loads[rank], rank))
+        while heap[0][0] != loads[heap[0][1]]:  # stale: that rank's current load was pushed when it changed
+            heapq.heappop(heap)
         least = heap[0][1]
         rank = least
         if byte_aware:
@@ -217,14 +217,17 @@ class BucketSchedule:
         return sum(self.recv_counts)
 
 
-def bucket_schedule(plan: Plan, shardings: Sequence[Sharding], bucket: int, rank: int) -> BucketSchedule:
-    world = plan.world_size
+def bucket_schedule(
+    plan: Plan, shardings: Sequence[Sharding], bucket: int, rank: int, boxes: Sequence[Box] | None = None
+) -> BucketSchedule:
+    """`rank`'s tables for one bucket; ``boxes[param]`` (optional) is `rank`'s block of each parameter."""
     members = plan.buckets[bucket]
-    send_counts, recv_counts = [0] * world, [0] * world
+    send_counts: dict[int, int] = {}  # peer -> elements; most peers get nothing
+    recv_counts: dict[int, int] = {}
     outbound_raw = []
     for u in members:
-        unit, sharding = plan.units[u], shardings[plan.units[u].param]
-        mine = sharding.box(rank)
+        unit = plan.units[u]
+        mine = boxes[unit.param] if boxes is not None else shardings[unit.param].box(rank)
         piece = _intersection(mine, unit.box)
         if piece is None:
             continue
@@ -236,7 +239,7 @@ def bucket_schedule(plan: Plan, shardings: Sequence[Sharding], bucket: int, rank
     for owner, u, rows, cols, local in outbound_raw:
         piece = Piece(u, owner, offset, rows, cols, local)
         outbound.append(piece)
-        send_counts[owner] += piece.numel
+        send_counts[owner] = send_counts.get(owner, 0) + piece.numel
         offset += piece.numel
 
     owned = tuple(u for u in members if plan.owners[u] == rank)
@@ -250,14 +253,35 @@ def bucket_schedule(plan: Plan, shardings: Sequence[Sharding], bucket: int, rank
     for src, _, u, rows, cols in inbound_raw:
         piece = Piece(u, src, offset, rows, cols)
         inbound.append(piece)
-        recv_counts[src] += piece.numel
+        recv_counts[src] = recv_counts.get(src, 0) + piece.numel
         offset += piece.numel
-    return BucketSchedule(tuple(send_counts), tuple(recv_counts), tuple(outbound), tuple(inbound), owned)
+    world = plan.world_size
+    return BucketSchedule(
+        split_sizes(send_counts, world), split_sizes(recv_counts, world), tuple(outbound), tuple(inbound), owned
+    )
 
 
 def rank_schedule(plan: Plan, shardings: Sequence[Sharding], rank: int) -> tuple[BucketSchedule, ...]:
     """Everything `rank` needs per step, bucket by bucket: computed once, read every step."""
-    return tuple(bucket_schedule(plan, shardings, b, rank) for b in range(len(plan.buckets)))
+    boxes = [sharding.box(rank) for sharding in shardings]
+    return tuple(bucket_schedule(plan, shardings, b, rank, boxes) for b in range(len(plan.buckets)))
+
+
+@functools.lru_cache(maxsize=8)
+def _no_traffic(world: int) -> tuple[int, ...]:
+    return (0,) * world
+
+
+def split_sizes(counts: dict[int, int], world: int) -> tuple[int, ...]:
+    """Per-peer element counts as the dense tuple ``all_to_all_single`` takes. A rank takes no
+    part in most buckets of a large model (one MoE expert per bucket at W = 1024): those share
+    one all-zero tuple, so the tables stay small."""
+    if not counts:
+        return _no_traffic(world)
+    dense = [0] * world
+    for peer, count in counts.items():
+        dense[peer] = count
+    return tuple(dense)
 
 
 def _intersection(a: Box, b: Box) -> Box | None:

@@ -41,13 +41,15 @@ def update_scale(adjust_lr_fn: str | None, rows: int, cols: int) -> float:
     raise ValueError(f"unknown adjust_lr_fn {adjust_lr_fn!r}; expected None or one of {ADJUST_LR_FNS}")
 
 
-def nesterov_input(grad: Tensor, momentum: Tensor, beta: float, nesterov: bool) -> Tensor:
-    """The matrix to orthogonalize: with M' = βM + (1−β)g, Nesterov's g + β(M' − g), else M'.
+def nesterov_input(grad: Tensor, momentum: Tensor, beta: float, nesterov: bool, out: Tensor | None = None) -> Tensor:
+    """The matrix to orthogonalize, from the gradient and the momentum M before this step.
 
-    `momentum` is left unchanged (see :func:`update_momentum_`).
+    With M' = βM + (1−β)g: Nesterov's g + β(M' − g), else M'. The same two lerps as
+    ``torch.optim.Muon`` (so bf16 Newton–Schulz sees bit-identical inputs), out of place:
+    `momentum` is left unchanged (see :func:`update_momentum_`); `out` may receive the result.
     """
-    new = momentum.lerp(grad, 1 - beta)
-    return grad.lerp(new, beta) if nesterov else new
+    new = torch.lerp(momentum, grad, 1 - beta, out=None if nesterov else out)
+    return torch.lerp(grad, new, beta, out=out) if nesterov else new
 
 
 def update_momentum_(momentum: Tensor, grad: Tensor, beta: float) -> Tensor:

@@ -114,6 +114,12 @@ def validate_optimizer_config(config: Any) -> None:
     for key in ("nesterov", "overlap", "qk_clip"):
         if not isinstance(getattr(config, key), bool):
             fail(key, "true or false")
+    if config.qk_clip and config.name != "Muon":
+        raise ValueError(
+            f'[optimizer] qk_clip = true needs name = "Muon", got name = {config.name!r}: MuonClip runs inside '
+            'titan_muon\'s Muon optimizer container, so with another optimizer it would be silently ignored. '
+            'Set qk_clip = false or name = "Muon".'
+        )
     for key in ("ns_steps", "buckets_in_flight"):
         value = getattr(config, key)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:

@@ -15,10 +15,11 @@ from torchtitan.components.optimizer import OptimizersContainer, build_optimizer
 from torchtitan.distributed import ParallelDims
 
 from titan_muon import Muon, build_param_groups
-from titan_muon.clip import QKClip
+from titan_muon.clip import QKClipMetrics, read_metrics
 from titan_muon.split import attention_row_blocks
 from titan_muon.torchtitan.config import validate_optimizer_config
 from titan_muon.torchtitan.metrics import time_optimizer_steps
+from titan_muon.torchtitan.qk_clip import build_model_part_qk_clips
 
 
 def muon_kwargs(config: Any) -> dict[str, Any]:
@@ -62,15 +63,14 @@ class MuonOptimizersContainer(OptimizersContainer):
         self._validate_length(len(model_parts))
         params = [p for model in model_parts for p in model.parameters() if p.requires_grad]
         self._post_init(params, kwargs)
-        self.qk_clips = [QKClip(model, config.qk_clip_tau, config.qk_clip_alpha) for model in model_parts] if config.qk_clip else []
-        self.qk_clip_metrics: dict[str, float] = {}
+        self.qk_clips = build_model_part_qk_clips(model_parts, config, parallel_dims) if config.qk_clip else []
+        self.qk_clip_metrics: list[QKClipMetrics] = []  # device tensors, read on logging steps only
 
     def step(self, *args, **kwargs) -> None:
         """Every optimizer, then MuonClip on the weights they produced (never at lr = 0)."""
         super().step(*args, **kwargs)
-        self.qk_clip_metrics = {}
-        for qk_clip, optimizer in zip(self.qk_clips, self.optimizers):
-            self.qk_clip_metrics.update(qk_clip.reduce_and_clip(optimizer))
+        pairs = zip(self.qk_clips, self.optimizers)
+        self.qk_clip_metrics = [qk_clip.reduce_and_clip(optimizer) for qk_clip, optimizer in pairs if qk_clip is not None]
 
     @staticmethod
     def _build(model: nn.Module, config: Any, kwargs: dict[str, Any], pipeline: bool = False) -> Muon:
@@ -92,7 +92,7 @@ class MuonOptimizersContainer(OptimizersContainer):
             values = [metrics.get(key, 0.0) for metrics in per_part]
             additive = any(word in key for word in ("bytes", "time", "flops"))
             merged[key] = sum(values) if additive else sum(values) / len(values)
-        return merged | self.qk_clip_metrics
+        return merged | read_metrics(self.qk_clip_metrics)
 
 
 def build_optimizers(

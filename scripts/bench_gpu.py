@@ -1,0 +1,101 @@
+"""Single-device benchmark for a GPU: Newton-Schulz in bf16 against torch.mm, and the optimizer step.
+
+    python scripts/bench_gpu.py                 # on CUDA (what scripts/gpu_check.sh runs)
+    python scripts/bench_gpu.py --device cpu    # smoke test of the script itself
+
+Rows, all timed with CUDA events after warm-up, medians of repeats, side by side in one run:
+  * torch.mm bf16 TFLOP/s on each Newton-Schulz shape (the ceiling), and orthogonalize()'s
+    TFLOP/s on batches of the same shape (its share of that ceiling);
+  * titan_muon.Muon.step vs torch.optim.AdamW.step on the same Llama-style parameters
+    (one process: no communication), with the NS time inside Muon's step.
+Prints a markdown section for docs/performance.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import statistics
+
+import torch
+
+from titan_muon import Muon, orthogonalize
+from titan_muon.newton_schulz import newton_schulz_flops
+
+
+def timed(fn, device, repeats: int, warmup: int = 3) -> float:
+    """Median milliseconds of fn() on `device`."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            stop.record()
+            stop.synchronize()
+            times.append(start.elapsed_time(stop))
+        else:
+            import time
+
+            t0 = time.perf_counter()
+            fn()
+            times.append(1e3 * (time.perf_counter() - t0))
+    return statistics.median(times)
+
+
+def llama_shapes(dim: int, hidden: int, kv: int) -> dict[str, tuple[int, int]]:
+    return {"wq": (dim, dim), "wk": (kv, dim), "wv": (kv, dim), "wo": (dim, dim), "w1": (hidden, dim), "w2": (dim, hidden), "w3": (hidden, dim)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dim", type=int, default=4096)
+    parser.add_argument("--hidden", type=int, default=14336)
+    parser.add_argument("--kv", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=10)
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    shapes = llama_shapes(args.dim, args.hidden, args.kv)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    lines = [f"### {name}, torch {torch.__version__}, {datetime.date.today()}", "",
+             f"`python scripts/bench_gpu.py --dim {args.dim} --hidden {args.hidden} --kv {args.kv} --layers {args.layers}`", ""]  # fmt: skip
+
+    lines += ["| shape | batch | torch.mm bf16 TFLOP/s | orthogonalize bf16 TFLOP/s | share |", "|---|---|---|---|---|"]
+    for shape in sorted(set(shapes.values())):
+        m, n = min(shape), max(shape)
+        a, b = torch.randn(m, n, device=device, dtype=torch.bfloat16), torch.randn(n, m, device=device, dtype=torch.bfloat16)
+        mm_ms = timed(lambda: a @ b, device, args.repeats)
+        mm_tflops = 2 * m * n * m / mm_ms / 1e9
+        batch = args.layers
+        x = torch.randn(batch, *shape, device=device)
+        ns_ms = timed(lambda: orthogonalize(x, 5, "keller", torch.bfloat16), device, args.repeats)
+        ns_tflops = batch * newton_schulz_flops(*shape, 5) / ns_ms / 1e9
+        lines.append(f"| {shape[0]}×{shape[1]} | {batch} | {mm_tflops:.0f} | {ns_tflops:.0f} | {ns_tflops / mm_tflops:.0%} |")
+
+    def params():
+        gen = torch.Generator(device=device).manual_seed(0)
+        return [torch.nn.Parameter(torch.randn(*s, device=device, generator=gen) * 0.02) for _ in range(args.layers) for s in shapes.values()]
+
+    def with_grads(ps):
+        for p in ps:
+            p.grad = torch.randn_like(p)
+        return ps
+
+    muon_params, adamw_params = with_grads(params()), with_grads(params())
+    muon = Muon(muon_params, lr=0.02, adjust_lr_fn="match_rms_adamw")  # ns_dtype "auto": bf16 on CUDA
+    adamw = torch.optim.AdamW(adamw_params, lr=1e-3)
+    muon_ms = timed(muon.step, device, args.repeats)
+    adamw_ms = timed(adamw.step, device, args.repeats)
+    ns_ms = muon.last_step_metrics["muon/ns_time_ms"]
+    lines += ["", "| optimizer step (one device) | ms | vs AdamW |", "|---|---|---|",
+              f"| torch.optim.AdamW | {adamw_ms:.1f} | 1.00× |",
+              f"| titan_muon.Muon (NS {ns_ms:.1f} ms of it) | {muon_ms:.1f} | {muon_ms / adamw_ms:.2f}× |"]  # fmt: skip
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# GPU checks, for a machine with a CUDA GPU (see docs/performance.md, "GPU"):
+#   1. the CUDA tests (one-rank NCCL, host syncs counted on the real device) and the meta suite;
+#   2. scripts/bench_gpu.py: bf16 Newton-Schulz against torch.mm, Muon's step against AdamW's;
+#   3. a 1-GPU torchtitan llama3 debug run, Muon against AdamW (loss and step time).
+# Without a GPU it says so and exits 0.
+#
+#   bash scripts/gpu_check.sh [OUT_DIR]      # default: gpu_check_out/
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if ! python -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+    echo "gpu_check: no CUDA GPU found (torch.cuda.is_available() is False); nothing was checked."
+    exit 0
+fi
+out=${1:-gpu_check_out}
+mkdir -p "$out"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/device.txt"
+python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a "$out/device.txt"
+
+python -m pytest -q tests/test_cuda.py tests/test_meta_device.py tests/test_clip_device.py 2>&1 | tee "$out/tests.txt"
+python scripts/bench_gpu.py | tee "$out/bench.md"
+
+for optimizer in muon adamw; do
+    config=train_configs/llama3_gqa_${optimizer}.toml
+    torchrun --standalone --nproc-per-node 1 -m titan_muon.train --job.config_file "$config" \
+        --training.steps 100 --metrics.log_freq 10 --job.dump_folder "$out/$optimizer" 2>&1 | tee "$out/train_$optimizer.txt"
+done
+python - "$out" <<'PY'
+import sys
+from titan_muon.torchtitan.launch import read_losses, read_scalars
+out = sys.argv[1]
+for name in ("muon", "adamw"):
+    losses = read_losses(f"{out}/{name}")
+    tps = read_scalars(f"{out}/{name}", "tps")
+    last = max(losses)
+    print(f"{name}: loss at step {last} = {losses[last]:.4f}; median tokens/s = {sorted(tps.values())[len(tps) // 2] if tps else 'n/a'}")
+PY
