@@ -9,11 +9,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from torch import nn
 from torchtitan.components.loss import cross_entropy_loss
 
 from common import make_params, run_titan
 from distributed import run_distributed
 from pipeline_stages import DP, MUON, SETTINGS, STAGE_SHAPES, STEPS, stage_run
+from titan_muon.split import attention_row_blocks
 from titan_muon.torchtitan.launch import read_losses, read_scalars, run_training
 from titan_muon.torchtitan.pipeline import PipelineLoss, check_pipeline_loss, pipeline_loss_builder
 
@@ -72,6 +74,13 @@ def test_pipeline_parallel_with_another_train_spec_is_refused():
         check_pipeline_loss(cross_entropy_loss, pp_enabled=True, model_name="llama3")
 
 
+def test_split_accepts_a_stage_without_attention_under_pipeline_parallel_only():
+    embeddings_only = nn.Sequential(nn.Embedding(10, 4))  # a first stage of torchtitan's interleaved schedules
+    assert attention_row_blocks(embeddings_only, "head", missing_ok=True) == {}
+    with pytest.raises(ValueError, match="no torchtitan llama3 / deepseek_v3 attention module"):
+        attention_row_blocks(embeddings_only, "head")
+
+
 # ------------------------------------------------- one optimizer per stage
 
 
@@ -102,7 +111,7 @@ def workdir(tmp_path_factory) -> Path:
 
 
 def tiny(workdir: Path, dump: str, *extra: str) -> list[str]:
-    # MuonClip off: reducing its max logits per stage is tested with MuonClip itself.
+    # MuonClip off: under PP it records the schedule's shape-inference forward (docs/torchtitan.md).
     return [
         "--model.flavor", "tiny_gqa", "--training.seq_len", "64", "--training.local_batch_size", "2",
         "--training.steps", str(TRAIN_STEPS), "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1",
