@@ -54,13 +54,15 @@ def match_row_blocks(names: Sequence[str], row_blocks: Mapping[str, RowBlocks]) 
 SPLIT_MODES = ("none", "head", "fine")
 
 
-def attention_row_blocks(model, mode: str = "head") -> dict[str, RowBlocks]:
+def attention_row_blocks(model, mode: str = "head", *, missing_ok: bool = False) -> dict[str, RowBlocks]:
     """Row blocks of the attention projections of torchtitan's llama3 (GQA) and deepseek_v3 (MLA).
 
     "head": GQA wq per Q head, wk / wv per KV head; MLA wq (or wq_b) per head as
     [q_nope + q_rope] and wkv_b per head as [k_nope + v].
     "fine" (GLM-5): MLA heads split further into q_nope | q_rope and k_nope | v.
     "none": no split. Modules are recognized by the attributes torchtitan's attention sets.
+    A model without them is an error, unless ``missing_ok`` (a pipeline stage's model part
+    may hold only the embeddings, or the norm and output head).
     """
     if mode not in SPLIT_MODES:
         raise ValueError(f"titan_muon split: mode={mode!r}; expected one of {SPLIT_MODES}")
@@ -77,6 +79,6 @@ def attention_row_blocks(model, mode: str = "head") -> dict[str, RowBlocks]:
         elif hasattr(module, "n_kv_heads") and hasattr(module, "head_dim") and hasattr(module, "wq"):  # GQA / MHA
             for projection in ("wq", "wk", "wv"):
                 blocks[f"{prefix}{projection}.weight"] = module.head_dim
-    if not blocks:
+    if not blocks and not missing_ok:
         raise ValueError("titan_muon split: no torchtitan llama3 / deepseek_v3 attention module found in the model")
     return blocks

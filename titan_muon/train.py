@@ -4,8 +4,10 @@
 
 With CUDA this is torchtitan's trainer unchanged (NCCL). Without it, the trainer runs on
 CPU processes over gloo (see titan_muon/torchtitan/cpu.py). Either way the checkpoint to
-resume from is checked before it is loaded, and a failed checkpoint write stops every rank
-with one error naming the folder (titan_muon/torchtitan/checkpoint.py).
+resume from is checked before it is loaded, a failed checkpoint write stops every rank
+with one error naming the folder (titan_muon/torchtitan/checkpoint.py), and under pipeline
+parallel the gradients are divided by the token count as without it
+(titan_muon/torchtitan/pipeline.py).
 """
 
 import os
@@ -18,6 +20,7 @@ from torchtitan.train import Trainer as TorchTitanTrainer, main
 from titan_muon.torchtitan import cpu
 from titan_muon.torchtitan.checkpoint import check_before_resume, checkpoint_io_error
 from titan_muon.torchtitan.config import validate_optimizer_config
+from titan_muon.torchtitan.pipeline import check_pipeline_loss, set_global_valid_tokens
 
 
 def check_restarts_can_rendezvous(environ: Mapping[str, str] = os.environ) -> None:
@@ -44,8 +47,15 @@ class Trainer(TorchTitanTrainer):
         check_restarts_can_rendezvous()
         validate_optimizer_config(job_config.optimizer)  # before minutes of setup, not after
         super().__init__(job_config)
+        check_pipeline_loss(self.loss_fn, self.parallel_dims.pp_enabled, job_config.model.name)
         if cpu.should_use_cpu():
             cpu.force_sum_reductions(self.model_parts)
+
+    def forward_backward_step(self, *, input_dict, labels, global_valid_tokens):
+        set_global_valid_tokens(self.loss_fn, global_valid_tokens)  # for the pipeline schedule's backward
+        return super().forward_backward_step(
+            input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens
+        )
 
     def train(self):
         check_before_resume(self.checkpointer, self.job_config.checkpoint)

@@ -115,10 +115,15 @@ def stop(process: subprocess.Popen, grace: float = 30) -> None:
 
 
 def run_training(
-    config: str, overrides: list[str], nproc: int = 2, timeout: float = 300, check: bool = True
+    config: str,
+    overrides: list[str],
+    nproc: int = 2,
+    timeout: float = 300,
+    check: bool = True,
+    env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess:
     """Run to completion; with ``check``, raise with the log's tail if it failed."""
-    result = finish(start(torchrun_command(config, overrides, nproc)), timeout)
+    result = finish(start(torchrun_command(config, overrides, nproc), env=env), timeout)
     if check and result.returncode != 0:
         raise RuntimeError(f"training failed (exit {result.returncode}):\n{log_tail(result)}")
     return result

@@ -58,7 +58,8 @@ class MuonOptimizersContainer(OptimizersContainer):
     def __init__(self, model_parts: list[nn.Module], config: Any, parallel_dims: ParallelDims | None = None) -> None:
         kwargs = muon_kwargs(config)
         self.model_parts = model_parts
-        self.optimizers = [self._build(model, config, kwargs) for model in model_parts]
+        pipeline = parallel_dims is not None and parallel_dims.pp_enabled
+        self.optimizers = [self._build(model, config, kwargs, pipeline) for model in model_parts]
         self._validate_length(len(model_parts))
         params = [p for model in model_parts for p in model.parameters() if p.requires_grad]
         self._post_init(params, kwargs)
@@ -72,11 +73,13 @@ class MuonOptimizersContainer(OptimizersContainer):
         self.qk_clip_metrics = [qk_clip.reduce_and_clip(optimizer) for qk_clip, optimizer in pairs if qk_clip is not None]
 
     @staticmethod
-    def _build(model: nn.Module, config: Any, kwargs: dict[str, Any]) -> Muon:
+    def _build(model: nn.Module, config: Any, kwargs: dict[str, Any], pipeline: bool = False) -> Muon:
         groups = build_param_groups(model.named_parameters(), **param_group_kwargs(config))
         muon_names = {name for group in groups if group["use_muon"] for name in group["param_names"]}
         # Split only what is optimized by Muon: adamw_patterns may have moved attention weights.
-        blocks = {name: rows for name, rows in attention_row_blocks(model, config.split).items() if name in muon_names}
+        # A pipeline stage may hold no attention layer (embeddings only, or norm + output).
+        row_blocks = attention_row_blocks(model, config.split, missing_ok=pipeline)
+        blocks = {name: rows for name, rows in row_blocks.items() if name in muon_names}
         return Muon(groups, row_blocks=blocks, **kwargs)
 
     @property

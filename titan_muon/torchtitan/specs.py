@@ -1,7 +1,8 @@
 """The train specs ``titan_muon_llama3`` and ``titan_muon_mla``.
 
-Each is torchtitan's own spec (``llama3``, ``deepseek_v3``) with four swaps: our optimizer
-builder, our metrics processor, the offline tokenizer, and a few extra small model flavors.
+Each is torchtitan's own spec (``llama3``, ``deepseek_v3``) with five swaps: our optimizer
+builder, our metrics processor, the offline tokenizer, a few extra small model flavors, and
+under pipeline parallel a loss whose gradient is normalized (pipeline.py).
 Select one with ``[model] name = "titan_muon_llama3"`` and
 ``[experimental] custom_import = "titan_muon.torchtitan"``.
 """
@@ -17,6 +18,7 @@ from torchtitan.protocols.train_spec import TrainSpec, get_train_spec, register_
 from titan_muon.torchtitan.data import build_tokenizer
 from titan_muon.torchtitan.metrics import build_metrics_processor
 from titan_muon.torchtitan.optimizer import build_optimizers
+from titan_muon.torchtitan.pipeline import pipeline_loss_builder
 
 LLAMA3_FLAVORS = {
     # Grouped-query attention: 8 query heads share 2 key/value heads.
@@ -58,6 +60,7 @@ def _with_titan_muon(base: TrainSpec, extra_flavors: dict, build_optimizers_fn) 
         build_optimizers_fn=build_optimizers_fn,
         build_tokenizer_fn=_tokenizer_for(model_args),
         build_metrics_processor_fn=build_metrics_processor,
+        build_loss_fn=pipeline_loss_builder(base.build_loss_fn),
     )
 
 

@@ -1,0 +1,50 @@
+"""Ranks of a spawned pipeline-parallel optimizer test (tests/test_pipeline_parallel.py).
+
+A module of its own so that the spawned ranks import only torch and titan_muon, not
+torchtitan (the test module imports it for its launches).
+"""
+
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+
+from common import grads_for, make_params
+from titan_muon import Muon
+
+# Four ranks, two stages of two FSDP ranks each, as torchtitan lays out PP 2 x FSDP 2. The
+# stages hold different matrices (uneven row counts, one Muon matrix fewer): were their
+# optimizers to share a process group, the plans would differ and the build would fail, or
+# the all-to-alls would mix or hang. (With dp = 1 the parameters are plain tensors and Muon
+# has no group at all: test_pipeline_run_equals_one_process.)
+STAGE_SHAPES = [
+    {"a": (30, 64), "b": (63, 64), "emb": (50, 16)},
+    {"c": (3, 256), "d": (64, 30), "e": (48, 48), "bias": (17,)},
+]
+MUON = {"a", "b", "c", "d", "e"}
+SETTINGS = dict(lr=0.02, weight_decay=0.1, momentum=0.9, bucket_size_mb=0.01)
+STEPS, DP = 3, 2
+
+
+def stage_run(rank, world):
+    mesh = init_device_mesh("cpu", (2, DP), mesh_dim_names=("pp", "dp"))
+    stage = mesh.get_coordinate()[0]
+    full = make_params(stage, STAGE_SHAPES[stage])
+    module = nn.Module()
+    for name, tensor in full.items():
+        module.register_parameter(name, nn.Parameter(distribute_tensor(tensor, mesh["dp"], [Shard(0)])))
+    named = dict(module.named_parameters())
+    groups = [
+        {"params": [(n, p) for n, p in named.items() if n in MUON]},
+        {"params": [(n, p) for n, p in named.items() if n not in MUON], "use_muon": False},
+    ]
+    optimizer = Muon(groups, **SETTINGS)
+    for step in range(STEPS):
+        for name, grad in grads_for(step, full).items():
+            named[name].grad = distribute_tensor(grad, mesh["dp"], [Shard(0)])
+        optimizer.step()
+    return {
+        "stage": stage,
+        "exchange_ranks": sorted(dist.get_process_group_ranks(optimizer.transport.group)),
+        "params": {n: p.full_tensor() for n, p in named.items()},
+    }

@@ -1,0 +1,175 @@
+"""Pipeline parallel: the loss that normalizes PP gradients, one Muon per stage, and
+torchtitan PP runs (2 stages on 2 CPU ranks, gloo) that equal the one-process run.
+
+Every launch has a timeout (tests/distributed.py, titan_muon.torchtitan.launch).
+"""
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+from torchtitan.components.loss import cross_entropy_loss
+
+from common import make_params, run_titan
+from distributed import run_distributed
+from pipeline_stages import DP, MUON, SETTINGS, STAGE_SHAPES, STEPS, stage_run
+from titan_muon.split import attention_row_blocks
+from titan_muon.torchtitan.launch import read_losses, read_scalars, run_training
+from titan_muon.torchtitan.pipeline import PipelineLoss, check_pipeline_loss, pipeline_loss_builder
+
+pytestmark = pytest.mark.timeout(900)
+
+# --------------------------------------------------------------- the loss
+
+
+def _logits_and_labels(seed: int = 0, batch: int = 2, seq: int = 5, vocab: int = 11):
+    g = torch.Generator().manual_seed(seed)
+    labels = torch.randint(vocab, (batch, seq), generator=g)
+    labels[0, 0] = -100  # torchtitan's ignore index: not a valid token
+    return torch.randn(batch, seq, vocab, generator=g), labels
+
+
+def test_pipeline_loss_divides_the_gradient_not_the_value():
+    logits, labels = _logits_and_labels()
+    tokens = torch.tensor(9.0)  # the step's global valid-token count, as the trainer passes it
+
+    expected_pred = logits.clone().requires_grad_()
+    (cross_entropy_loss(expected_pred, labels) / tokens).backward()  # torchtitan without PP
+
+    pred = logits.clone().requires_grad_()
+    loss = PipelineLoss(cross_entropy_loss)
+    loss.global_valid_tokens = tokens
+    value = loss(pred, labels)
+    torch.autograd.backward([value])  # as the pipeline schedule runs it
+
+    assert torch.equal(value.detach(), cross_entropy_loss(logits, labels))  # the sum torchtitan reports from
+    assert torch.equal(pred.grad, expected_pred.grad)  # the same division, so bit for bit
+
+
+def test_pipeline_loss_under_no_grad_is_the_sum_and_needs_no_count():
+    logits, labels = _logits_and_labels()
+    with torch.no_grad():  # torchtitan's validator
+        value = PipelineLoss(cross_entropy_loss)(logits, labels)
+    assert torch.equal(value, cross_entropy_loss(logits, labels))
+
+
+def test_pipeline_loss_without_a_count_refuses_to_train():
+    logits, labels = _logits_and_labels()
+    with pytest.raises(RuntimeError, match="global valid-token count was not set"):
+        PipelineLoss(cross_entropy_loss)(logits.requires_grad_(), labels)
+
+
+@pytest.mark.parametrize("pp_enabled", [False, True])
+def test_loss_is_wrapped_under_pipeline_parallel_only(pp_enabled):
+    build = pipeline_loss_builder(lambda job_config, **kwargs: cross_entropy_loss)
+    loss_fn = build(None, parallel_dims=SimpleNamespace(pp_enabled=pp_enabled))
+    assert isinstance(loss_fn, PipelineLoss) is pp_enabled
+
+
+def test_pipeline_parallel_with_another_train_spec_is_refused():
+    check_pipeline_loss(cross_entropy_loss, pp_enabled=False, model_name="llama3")
+    with pytest.raises(ValueError, match=r"pipeline_parallel_degree > 1 with \[model\] name = 'llama3'.*#2972"):
+        check_pipeline_loss(cross_entropy_loss, pp_enabled=True, model_name="llama3")
+
+
+def test_split_accepts_a_stage_without_attention_under_pipeline_parallel_only():
+    embeddings_only = nn.Sequential(nn.Embedding(10, 4))  # a first stage of torchtitan's interleaved schedules
+    assert attention_row_blocks(embeddings_only, "head", missing_ok=True) == {}
+    with pytest.raises(ValueError, match="no torchtitan llama3 / deepseek_v3 attention module"):
+        attention_row_blocks(embeddings_only, "head")
+
+
+# ------------------------------------------------- one optimizer per stage
+
+
+def test_each_stage_optimizer_exchanges_within_its_stage():
+    results = run_distributed(stage_run, 2 * DP)
+    for rank, result in enumerate(results):
+        stage = result["stage"]
+        assert stage == rank // DP  # torchtitan's mesh order: pp outermost
+        assert result["exchange_ranks"] == list(range(stage * DP, (stage + 1) * DP))
+        expected, _ = run_titan(make_params(stage, STAGE_SHAPES[stage]), STEPS, MUON, **SETTINGS)
+        # Elementwise math is identical; Newton-Schulz runs on the same assembled matrices, but
+        # batched by shape with other matrices of this stage, whose matmul kernels may sum in
+        # another order: a few fp32 ulps per step on O(1) weights, 1e-5 is ~80 ulps at 1.0.
+        for name, tensor in result["params"].items():
+            assert (tensor - expected[name]).abs().max().item() <= 1e-5, (rank, name)
+
+
+# ------------------------------------------------------- torchtitan runs
+
+CONFIG = "train_configs/llama3_gqa_muon.toml"
+TRAIN_STEPS = 4  # the step lists below assume 4
+RUN_TIMEOUT = 600  # seconds; a run takes ~20 s on an idle 2-core machine, minutes on a busy one
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("pipeline")
+
+
+def tiny(workdir: Path, dump: str, *extra: str) -> list[str]:
+    # MuonClip off: under PP it records the schedule's shape-inference forward (docs/torchtitan.md).
+    return [
+        "--model.flavor", "tiny_gqa", "--training.seq_len", "64", "--training.local_batch_size", "2",
+        "--training.steps", str(TRAIN_STEPS), "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1",
+        "--metrics.disable_color_printing", "--model.hf_assets_path", str(workdir / "tokenizer"),
+        "--job.dump_folder", str(workdir / dump), "--optimizer.no-qk_clip", *extra,
+    ]  # fmt: skip
+
+
+# Validation at steps 1 and 4: the pipeline schedule's eval() calls the same loss, without autograd.
+VALIDATION = [
+    "--validation.enable", "--validation.dataset", "python_stdlib_validation", "--validation.freq", "4",
+    "--validation.steps", "1", "--validation.seq_len", "64", "--validation.local_batch_size", "2",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def seed_checkpoint(workdir) -> list[str]:
+    """torchtitan's seed checkpoint (one rank): PP stages would otherwise each initialize their own layers."""
+    seed = tiny(workdir, "seed", "--checkpoint.enable", "--checkpoint.create_seed_checkpoint")
+    run_training(CONFIG, seed, nproc=1, timeout=RUN_TIMEOUT)
+    path = workdir / "seed" / "checkpoint" / "step-0"
+    return ["--checkpoint.enable", "--checkpoint.initial_load_path", str(path), "--checkpoint.load_only"]
+
+
+@pytest.fixture(scope="module")
+def one_process(workdir, seed_checkpoint) -> Path:
+    """The reference: one rank, the same global batch (PP with dp = 1 has no data parallelism)."""
+    # torchrun sets OMP_NUM_THREADS=1 only with several ranks; the same thread count keeps kernels alike.
+    overrides = tiny(workdir, "one_process", *seed_checkpoint, *VALIDATION)
+    run_training(CONFIG, overrides, nproc=1, timeout=RUN_TIMEOUT, env={"OMP_NUM_THREADS": "1"})
+    return workdir / "one_process"
+
+
+@pytest.mark.parametrize(
+    "schedule",
+    [
+        "1F1B",  # one stage per rank
+        "Interleaved1F1B",  # two model parts per rank: embeddings | layer 0, layer 1 | norm + output
+    ],
+)
+def test_pipeline_run_equals_one_process(workdir, seed_checkpoint, one_process, schedule):
+    dump = f"pp_{schedule}"
+    pipeline = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", schedule]
+    run_training(CONFIG, tiny(workdir, dump, *seed_checkpoint, *VALIDATION, *pipeline), nproc=2, timeout=RUN_TIMEOUT)
+    # The runs differ only in how fp32 sums associate: PP adds up per-microbatch loss and
+    # gradient sums (2 microbatches of 64 tokens), the one process sums the 128 tokens at
+    # once. Reassociating a sum of n = 128 terms changes it by at most about n·u = 7.6e-6
+    # relative (u = 2^-24), and the step-1 grad norm inherits that; later steps add the loss
+    # change from weights that moved lr × (a difference of that size), far smaller.
+    # Without the gradient normalization the grad norm is 128x (the tokens per step), while
+    # the losses stay within 3e-6 (clipping and Muon hide the scale): compare both.
+    tolerance = dict(rel=1e-5, abs=0)
+    logged_steps = {"loss_metrics/global_avg_loss": [1, 2, 3, 4], "grad_norm": [1, 2, 3, 4], "validation_metrics/loss": [1, 4]}
+    for tag, steps in logged_steps.items():
+        expected, actual = read_scalars(str(one_process), tag), read_scalars(str(workdir / dump), tag)
+        assert sorted(actual) == steps, tag
+        for step, value in actual.items():
+            assert value == pytest.approx(expected[step], **tolerance), (tag, step)
+    # dp = 1: the parameters are plain tensors, so each stage's Muon sends nothing.
+    assert set(read_scalars(str(workdir / dump), "muon/bytes_sent").values()) == {0.0}
+    assert read_losses(str(workdir / dump))[TRAIN_STEPS] < read_losses(str(workdir / dump))[1]
