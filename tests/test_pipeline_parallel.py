@@ -111,12 +111,13 @@ def workdir(tmp_path_factory) -> Path:
 
 
 def tiny(workdir: Path, dump: str, *extra: str) -> list[str]:
-    # MuonClip off: under PP it records the schedule's shape-inference forward (docs/torchtitan.md).
+    # MuonClip on with a tau so small that heads are clipped every step: recording (per
+    # stage, real forwards only) and clipping must match the one-process run too.
     return [
         "--model.flavor", "tiny_gqa", "--training.seq_len", "64", "--training.local_batch_size", "2",
         "--training.steps", str(TRAIN_STEPS), "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1",
         "--metrics.disable_color_printing", "--model.hf_assets_path", str(workdir / "tokenizer"),
-        "--job.dump_folder", str(workdir / dump), "--optimizer.no-qk_clip", *extra,
+        "--job.dump_folder", str(workdir / dump), "--optimizer.qk_clip", "--optimizer.qk_clip_tau", "0.05", *extra,
     ]  # fmt: skip
 
 
@@ -170,6 +171,8 @@ def test_pipeline_run_equals_one_process(workdir, seed_checkpoint, one_process, 
         assert sorted(actual) == steps, tag
         for step, value in actual.items():
             assert value == pytest.approx(expected[step], **tolerance), (tag, step)
+    # Heads were clipped every step; under PP the logging rank reports its own stage's layers.
+    assert all(v > 0 for v in read_scalars(str(workdir / dump), "qk_clip/heads_clipped").values())
     # dp = 1: the parameters are plain tensors, so each stage's Muon sends nothing.
     assert set(read_scalars(str(workdir / dump), "muon/bytes_sent").values()) == {0.0}
     assert read_losses(str(workdir / dump))[TRAIN_STEPS] < read_losses(str(workdir / dump))[1]

@@ -21,6 +21,7 @@ from titan_muon.torchtitan import cpu
 from titan_muon.torchtitan.checkpoint import check_before_resume, checkpoint_io_error
 from titan_muon.torchtitan.config import validate_optimizer_config
 from titan_muon.torchtitan.pipeline import check_pipeline_loss, set_global_valid_tokens
+from titan_muon.torchtitan.qk_clip import record_only_stage_forwards
 
 
 def check_restarts_can_rendezvous(environ: Mapping[str, str] = os.environ) -> None:
@@ -48,6 +49,8 @@ class Trainer(TorchTitanTrainer):
         validate_optimizer_config(job_config.optimizer)  # before minutes of setup, not after
         super().__init__(job_config)
         check_pipeline_loss(self.loss_fn, self.parallel_dims.pp_enabled, job_config.model.name)
+        if self.parallel_dims.pp_enabled:
+            record_only_stage_forwards(self.pp_schedule, getattr(self.optimizers, "qk_clips", []))
         if cpu.should_use_cpu():
             cpu.force_sum_reductions(self.model_parts)
 

@@ -47,3 +47,41 @@ def build_model_part_qk_clips(
     return build_qk_clips(
         model_parts, config.qk_clip_tau, config.qk_clip_alpha, group, allow_parts_without_attention=pipeline
     )
+
+
+def record_only_stage_forwards(schedule, qk_clips: Sequence[QKClip | None]) -> None:
+    """Under pipeline parallel, record max logits only in the stages' real forwards.
+
+    Before its first step (and again after each evaluation) torch's pipeline schedule runs a
+    metadata-inference forward through every stage, in training mode, on inputs it makes
+    with ``torch.empty``: uninitialized memory. Recording that forward would take garbage
+    for a max logit (NaN, or a large finite value that clips healthy heads). Real
+    microbatches go through each stage's public ``forward_one_chunk``, the inference does
+    not, so recording is switched on only inside it. Activation recompute in backward is not
+    recorded either: it repeats the same forward, and a max is idempotent.
+    """
+    recorders = [clip.recorder for clip in qk_clips if clip is not None]
+    if not recorders:
+        return
+    stages = getattr(schedule, "_stages", None) or ([schedule._stage] if hasattr(schedule, "_stage") else None)
+    if not stages or not all(hasattr(stage, "forward_one_chunk") for stage in stages):
+        raise RuntimeError(
+            "[optimizer] qk_clip = true under pipeline parallel needs the schedule's stages (torch's PipelineStage."
+            "forward_one_chunk) to tell real forwards from its shape-inference forward, and this torch version does not "
+            f"expose them on {type(schedule).__name__}. Set qk_clip = false or pipeline_parallel_degree = 1."
+        )
+    for recorder in recorders:
+        recorder.enabled = False
+    for stage in stages:
+        forward = stage.forward_one_chunk
+
+        def recording_forward(*args, _forward=forward, **kwargs):
+            for recorder in recorders:
+                recorder.enabled = True
+            try:
+                return _forward(*args, **kwargs)
+            finally:
+                for recorder in recorders:
+                    recorder.enabled = False
+
+        stage.forward_one_chunk = recording_forward
