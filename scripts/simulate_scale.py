@@ -348,34 +348,35 @@ def peak_transient_bytes(
                   + NS(b)                                   R_b·(2·ns + 4) + 2·ns·Σ_owned min(m, n)²
                                                             (input, iterate, fp32 result; Gram and its square)
       held        = wire·Σ_b S_b                            returned updates: views of the return buffers,
-                                                            kept until the commit
-      commit      = held + 4·Σ_b S_b   if wire ≠ 4         the commit casts a group's updates to the fp32
-                                                            parameters all at once
-      peak        = max(held + max_b exchange(b), commit)
+                                                            kept until the commit (which adds them to the
+                                                            parameters in place, mixed dtypes, no copy)
+      peak        = held + max_b exchange(b)
 
     With overlap (momentum on the owners), backward already left every bucket's send and
-    receive buffers, alive until step() has waited for them (wire·Σ(S + R)), the owners keep
-    the new fp32 momentum of every matrix they own until the commit (4·ΣR), and nothing is
-    packed in step(): peak = wire·Σ(S + R) + 4·ΣR + max(max_b [wire·Σ_{j=b-window}^{b} R_j + NS(b)], 4·ΣS).
+    receive buffers; step() drops each once its bucket is orthogonalized, while the owners
+    keep the new fp32 momentum of each matrix they processed until the commit (4·R_j) and
+    nothing is packed in step(). While bucket b is orthogonalized:
+      wire·Σ_{j≥b}(S_j + R_j) + 4·Σ_{j<b} R_j + wire·Σ_{j=b-window}^{b} R_j + NS(b), plus held.
     """
     send = [sum(p.numel for p in s.outbound) for s in schedules]  # = send_numel, without summing W counts
     recv = [sum(p.numel for p in s.inbound) for s in schedules]
     squares = [sum(min(units[u].shape) ** 2 for u in s.owned) for s in schedules]
     ns_bytes = [r * (2 * ns + 4) + 2 * ns * q for r, q in zip(recv, squares)]
-    total_send, total_recv = sum(send), sum(recv)
-    cast = 4 * total_send if wire != 4 else 0
     n = len(schedules)
     returning = [wire * sum(recv[max(0, b - window) : b + 1]) for b in range(n)]
+    held = wire * sum(send)
     if overlap:
-        during = max((returning[b] + ns_bytes[b] for b in range(n)), default=0)
-        return wire * (total_send + total_recv) + 4 * total_recv + max(during, cast)
+        during = [
+            wire * sum(send[j] + recv[j] for j in range(b, n)) + 4 * sum(recv[:b]) + returning[b] + ns_bytes[b]
+            for b in range(n)
+        ]
+        return held + max(during, default=0)
     exchange = 0
     for b in range(n):
         ahead = range(b, min(n, b + window))
         outbound = wire * sum(send[j] + recv[j] for j in ahead) + 4 * send[ahead[-1]]
         exchange = max(exchange, outbound + returning[b] + ns_bytes[b])
-    held = wire * total_send
-    return max(held + exchange, held + cast)
+    return held + exchange
 
 
 # ------------------------------------------------------------------ host time per step
@@ -766,7 +767,7 @@ NS FLOPs conserved; idle ranks = ranks without NS work).
 
 No GPU and no process group: the plan (`plan.build_plan`), per-rank tables
 (`plan.rank_schedule`) and every rank's traffic (`Sharding.holders`) come from the functions
-the optimizer runs. Buckets of {config.bucket_mb:g} MiB (the default `bucket_size_mb`),
+the optimizer runs. Buckets of {config.bucket_mb:g} MiB (and of {config.bucket_mb:g} MiB × W/8, which the optimizer's default max(64, 8·W) MiB gives),
 `buckets_in_flight` = {config.window}, bf16 on the wire and in Newton–Schulz (the GPU
 default `"auto"`); fp32 on the wire doubles every byte figure.
 
@@ -967,18 +968,16 @@ def findings(out, config: Config, hardware: Hardware, world: int, flat: list[Row
     if smallest and largest:
         per_element = [r.peak_bytes / r.shard_elements for r in smallest]
         text.append(
-            "- **Memory.** Two terms. The commit: the returned bf16 updates (2 B per element of the rank's Muon shard, kept "
-            "until the commit by design: nothing changes before every rank got through) plus the commit's fp32 copy of a "
-            "whole param group's updates (4 B) — 6 B per shard element, 1.5× the fp32 shard. The window: the buckets in "
-            "flight plus the owner's whole matrices in NS (about 10 B per element it owns in a bucket). At W = "
+            "- **Memory.** Two terms. The updates: the returned bf16 updates (2 B per element of the rank's Muon shard, kept "
+            "until the commit by design: nothing changes before every rank got through; the commit adds them to the fp32 "
+            "parameters in place, without a converted copy). The window: the buckets in flight plus the owner's whole "
+            "matrices in NS (about 10 B per element it owns in a bucket). At W = "
             f"{min(config.worlds)} the peak is {span(per_element, '{:.1f}')} B per element of the larger measured shard; at "
             f"W = {world} it is {span([r.peak_bytes / 2**30 for r in largest], '{:.2f}')} GiB, and in "
-            f"{sum(r.peak_bytes > 6.05 * r.shard_elements for r in largest)} of {len(largest)} rows the window dominates "
+            f"{sum(r.peak_bytes > 4.05 * r.shard_elements for r in largest)} of {len(largest)} rows the window dominates "
             "(shards are small, but an owner still receives whole matrices). "
-            "With overlap, every inbound buffer from backward stays referenced until step() returns and the owners keep the "
-            "new fp32 momentum of all their matrices: up to twice that. Casting and applying the updates per bucket in the "
-            "commit, and dropping each early inbound buffer once used, would bring the peak near 2 B per shard element plus "
-            "the window."
+            "With overlap, the buffers received during backward are alive when step() starts and are dropped bucket by "
+            "bucket, while the owners' new fp32 momentum accumulates until the commit."
         )
     plan_s = [r.plan_s for r in titans]
     text.append(
