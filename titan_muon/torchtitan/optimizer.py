@@ -1,10 +1,12 @@
 """``build_optimizers_fn`` for the titan_muon train specs.
 
 ``[optimizer] name = "Muon"`` builds one :class:`titan_muon.Muon` per model part (Muon for
-hidden matrices, AdamW for embeddings, the output head, norms and biases), wrapped in a
-subclass of torchtitan's ``OptimizersContainer`` so its checkpointing (flattened DCP
-optimizer state dicts) and LR schedulers (one ``LambdaLR`` per optimizer, scaling every
-param group) work unchanged. Any other name goes to torchtitan's own builder.
+hidden matrices and routed MoE experts, AdamW for embeddings, the output head, the router,
+norms and biases), wrapped in a subclass of torchtitan's ``OptimizersContainer`` so its
+checkpointing (flattened DCP optimizer state dicts) and LR schedulers (one ``LambdaLR`` per
+optimizer, scaling every param group) work unchanged. Any other name goes to torchtitan's
+own builder. :func:`build_optimizers_with_moe_load_balancing` adds torchtitan's MoE
+expert-bias hook to either.
 """
 
 from contextlib import contextmanager
