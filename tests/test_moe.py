@@ -132,6 +132,15 @@ def test_build_param_groups_puts_routed_experts_in_muon_and_the_router_in_adamw(
     assert "layers.1.moe.router.gate.weight" in adamw["param_names"]
     assert "layers.1.moe.expert_bias" not in muon["param_names"] + adamw["param_names"]  # a buffer
     assert all(p.ndim == 3 for n, p in zip(muon["param_names"], muon["params"]) if ".experts." in n)
+    # Hugging Face names: the router is mlp.gate; gate_proj is an MLP matrix; fused experts are 3-D.
+    hf = [
+        ("model.layers.0.mlp.gate.weight", torch.zeros(8, 16)),
+        ("model.layers.0.mlp.gate_proj.weight", torch.zeros(32, 16)),
+        ("model.layers.0.mlp.experts.down_proj", torch.zeros(8, 16, 32)),
+    ]
+    hf_muon, hf_adamw = build_param_groups(hf)
+    assert hf_muon["param_names"] == ["model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.experts.down_proj"]
+    assert hf_adamw["param_names"] == ["model.layers.0.mlp.gate.weight"]
     # Other 3-D tensors (a convolution's [out, in, kernel]) stay AdamW unless a pattern forces them.
     (adamw_only,) = build_param_groups(conv)
     assert adamw_only["use_muon"] is False and "conv.weight" in adamw_only["param_names"]
@@ -224,6 +233,10 @@ def _train(rank, world, layout, overrides, steps=STEPS, save_at=None, checkpoint
             dcp.save({"model": module.state_dict(), "optim": optim_sd}, checkpoint_id=checkpoint)
         _set_grads(module, layouts, s)
         opt.step()
+    return _summary(module, opt)
+
+
+def _summary(module, opt) -> dict:
     _, flat = get_state_dict(module, opt, options=FLAT)
     return {
         "params": {n: p.full_tensor() for n, p in module.named_parameters()},
@@ -247,22 +260,27 @@ def _assert_equal_to_one_process(results, overrides):
         assert result["flat_keys"] == results[0]["flat_keys"], rank
 
 
-@pytest.mark.parametrize(
-    "layout, world, overrides",
-    [
-        ("fsdp", 2, {}),
-        ("fsdp", 3, OWNER_FP8),
-        ("ep", 4, {}),
-        ("ep", 4, OWNER_FP8),
-    ],
-    ids=["fsdp-2", "fsdp-3-owner-fp8", "ep2xfsdp2", "ep2xfsdp2-owner-fp8"],
-)
-def test_sharded_experts_equal_one_process(layout, world, overrides):
-    results = run_distributed(_train, world, layout, overrides, timeout=120)
-    _assert_equal_to_one_process(results, overrides)
-    if layout == "fsdp" and world == 3:
+RESUME_STEP = 2
+
+
+@pytest.fixture(scope="module")
+def saved_on_fsdp(tmp_path_factory) -> tuple[list, str]:
+    """2 FSDP ranks, momentum on owners in fp8; a DCP checkpoint (flattened, as torchtitan's) at step 2."""
+    checkpoint = str(tmp_path_factory.mktemp("moe_dcp") / f"step{RESUME_STEP}")
+    return run_distributed(_train, 2, "fsdp", OWNER_FP8, STEPS, RESUME_STEP, checkpoint, timeout=120), checkpoint
+
+
+def test_fsdp_2_ranks_equal_one_process(saved_on_fsdp):
+    _assert_equal_to_one_process(saved_on_fsdp[0], OWNER_FP8)
+
+
+@pytest.mark.parametrize("layout, world", [("fsdp", 3), ("ep", 4)], ids=["fsdp-3", "ep2xfsdp2"])
+def test_sharded_experts_equal_one_process(layout, world):
+    results = run_distributed(_train, world, layout, {}, timeout=120)
+    _assert_equal_to_one_process(results, {})
+    if layout == "fsdp":
         assert [r["local_experts"]["few"] for r in results] == [1, 1, 0]  # a rank with no expert of "few"
-    if layout == "ep":  # efsdp x ep = 4 > 2 experts: FSDP splits rows, every rank holds one expert
+    else:  # 5 experts split 3 | 2 by EP, then 2 | 1 and 1 | 1 by FSDP; "few": efsdp x ep = 4 > 2 experts, FSDP splits rows
         assert [r["local_experts"]["w3"] for r in results] == [2, 1, 1, 1]
         assert [r["local_experts"]["few"] for r in results] == [1, 1, 1, 1]
 
@@ -279,15 +297,13 @@ def _load_and_continue(rank, world, layout, overrides, checkpoint, resume_step):
     for s in range(resume_step, STEPS):
         _set_grads(module, layouts, s)
         opt.step()
-    return {n: p.full_tensor() for n, p in module.named_parameters()}
+    return _summary(module, opt)
 
 
-def test_checkpoint_saved_on_fsdp_loads_on_expert_parallel(tmp_path):
-    """Saved at step 2 on 2 FSDP ranks (momentum on owners, fp8), loaded on EP 2 x FSDP 2."""
-    checkpoint, resume = str(tmp_path / "step2"), 2
-    straight = run_distributed(_train, 2, "fsdp", OWNER_FP8, STEPS, resume, checkpoint, timeout=120)[0]["params"]
-    for result in run_distributed(_load_and_continue, 4, "ep", OWNER_FP8, checkpoint, resume, timeout=120):
-        for name in SHAPES:
-            # fp8 codes, row scales and rounding noise follow global rows, so the resumed
-            # steps compute what the straight run computed (fp32 sums, ~1e-7).
-            assert (result[name] - straight[name]).abs().max().item() <= 1e-5, name
+def test_checkpoint_saved_on_fsdp_loads_on_expert_parallel(saved_on_fsdp):
+    """Saved at step 2 on 2 FSDP ranks, loaded on EP 2 x FSDP 2 (both with momentum on owners, fp8)."""
+    checkpoint = saved_on_fsdp[1]
+    results = run_distributed(_load_and_continue, 4, "ep", OWNER_FP8, checkpoint, RESUME_STEP, timeout=120)
+    # fp8 codes, row scales and rounding noise follow global rows, so the resumed steps
+    # compute what the straight run (and one process) computed.
+    _assert_equal_to_one_process(results, OWNER_FP8)
