@@ -134,9 +134,9 @@ def test_build_param_groups_puts_routed_experts_in_muon_and_the_router_in_adamw(
     assert all(p.ndim == 3 for n, p in zip(muon["param_names"], muon["params"]) if ".experts." in n)
     # Hugging Face names: the router is mlp.gate; gate_proj is an MLP matrix; fused experts are 3-D.
     hf = [
-        ("model.layers.0.mlp.gate.weight", torch.zeros(8, 16)),
-        ("model.layers.0.mlp.gate_proj.weight", torch.zeros(32, 16)),
-        ("model.layers.0.mlp.experts.down_proj", torch.zeros(8, 16, 32)),
+        ("model.layers.0.mlp.gate.weight", nn.Parameter(torch.zeros(8, 16))),
+        ("model.layers.0.mlp.gate_proj.weight", nn.Parameter(torch.zeros(32, 16))),
+        ("model.layers.0.mlp.experts.down_proj", nn.Parameter(torch.zeros(8, 16, 32))),
     ]
     hf_muon, hf_adamw = build_param_groups(hf)
     assert hf_muon["param_names"] == ["model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.experts.down_proj"]
