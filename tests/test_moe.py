@@ -73,17 +73,20 @@ def one_process(steps: int = STEPS, **overrides) -> dict[str, torch.Tensor]:
 
 def per_expert_reference(steps: int = STEPS) -> dict[str, torch.Tensor]:
     """Every expert as a parameter of its own, in the plain fp32 reference (tests/reference.py)."""
-    params = initial_params()
-    slices = {f"{n}[{e}]": params[n][e].clone() for n in EXPERTS for e in range(SHAPES[n][0])}
-    slices |= {n: params[n].clone() for n in SHAPES if n not in EXPERTS}
-    muon = {key: key.split("[")[0] in MUON for key in slices}
+
+    def by_expert(tensors: dict[str, torch.Tensor]) -> dict[tuple, torch.Tensor]:
+        return {
+            (name, e): t[e] if name in EXPERTS else t
+            for name, t in tensors.items()
+            for e in range(t.shape[0] if name in EXPERTS else 1)
+        }
+
+    params = {key: t.clone() for key, t in by_expert(initial_params()).items()}
+    muon = {key: key[0] in MUON for key in params}
     reference = ReferenceMuonAdamW(lr=SETTINGS["lr"], weight_decay=SETTINGS["weight_decay"], momentum=SETTINGS["momentum"])
     for s in range(steps):
-        grads = moe_grads(s)
-        sliced = {key: grads[key.split("[")[0]][int(key[key.index("[") + 1 : -1])] if "[" in key else grads[key] for key in slices}
-        reference.step(slices, sliced, muon)
-    out = {n: torch.stack([slices[f"{n}[{e}]"] for e in range(SHAPES[n][0])]) for n in EXPERTS}
-    return out | {n: slices[n] for n in SHAPES if n not in EXPERTS}
+        reference.step(params, by_expert(moe_grads(s)), muon)
+    return {name: torch.stack([params[(name, e)] for e in range(shape[0])]) if name in EXPERTS else params[(name, 0)] for name, shape in SHAPES.items()}
 
 
 # ------------------------------------------------------------------ one process
@@ -95,7 +98,7 @@ def test_each_expert_is_orthogonalized_on_its_own():
     for name in SHAPES:
         step = expected[name] - initial[name]
         # fp32 throughout; only the order of operations differs (batched matrices, fused
-        # weight decay): ~1e-7 of the parameters, far below one expert's update (~1e-2).
+        # weight decay): ~6e-8 of the parameters measured, far below the updates (~5e-2).
         assert (ours[name] - expected[name]).abs().max() <= 1e-6 * initial[name].abs().max(), name
         assert step.abs().max() > 1e-3, name
 
@@ -194,9 +197,10 @@ def _layout(name: str, layout: str, world: int, meshes: dict):
     return mesh, (Shard(1), Shard(0)), lambda full: _piece(_piece(full, 0, ep_size, ep), 1, efsdp_size, efsdp)
 
 
-def _distribute(full: torch.Tensor, mesh, placements, local_of) -> DTensor:
+def _distribute(full: torch.Tensor, mesh, placements, local_of, check: bool = False) -> DTensor:
     dt = DTensor.from_local(local_of(full).clone(), mesh, placements, shape=full.shape, stride=full.stride())
-    assert torch.equal(dt.full_tensor(), full)  # the hand-made block is where DTensor puts it
+    if check:
+        assert torch.equal(dt.full_tensor(), full)  # the hand-made block is where DTensor puts it
     return dt
 
 
@@ -211,7 +215,7 @@ def _sharded_module(layout, world, meshes, seed=0):
     module, layouts = nn.Module(), {}
     for name, full in initial_params(seed).items():
         layouts[name] = _layout(name, layout, world, meshes)
-        module.register_parameter(name, nn.Parameter(_distribute(full, *layouts[name])))
+        module.register_parameter(name, nn.Parameter(_distribute(full, *layouts[name], check=True)))
     return module, layouts
 
 
