@@ -9,6 +9,7 @@ state keys on every rank, and a DCP save on one layout loaded on another.
 """
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -34,6 +35,7 @@ IDLE_FROM_STEP = 2
 IDLE_LATER = {"w1": [3], "w2": [3], "w3": [0]}  # tokens at steps 0-1, none from step 2 on
 STEPS = 4
 SETTINGS = dict(lr=0.02, weight_decay=0.1, momentum=0.9, bucket_size_mb=0.002)
+MOE_TOML = Path(__file__).resolve().parents[1] / "train_configs" / "moe_mla_muon.toml"
 OWNER_FP8 = {"overlap": True, "momentum_dtype": "fp8"}  # momentum on owners, stored in fp8
 
 
@@ -112,13 +114,8 @@ def test_experts_without_tokens_decay_and_keep_their_momentum():
         assert (ours[name][experts] - initial[name][experts] * decay).abs().max() > 1e-3, name
 
 
-class _Conv(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.conv = nn.Conv1d(8, 8, 3)
-
-
-def test_build_param_groups_puts_routed_experts_in_muon_and_the_router_in_adamw():
+def tiny_moe_model(device: torch.device) -> nn.Module:
+    """torchtitan's DeepSeek-V3 with the tiny_moe flavor: 1 dense layer, 1 MoE layer of 6 experts."""
     from torchtitan.config import JobConfig
     from torchtitan.models.deepseek_v3 import DeepSeekV3Model
 
@@ -126,8 +123,24 @@ def test_build_param_groups_puts_routed_experts_in_muon_and_the_router_in_adamw(
 
     args = copy.deepcopy(MLA_FLAVORS["tiny_moe"])
     args.update_from_config(JobConfig())  # as torchtitan's trainer does
-    with torch.device("meta"):
+    torch.manual_seed(0)
+    with torch.device(device):
         model = DeepSeekV3Model(args)
+    if device.type != "meta":
+        with torch.no_grad():
+            model.init_weights(buffer_device=device)
+    return model
+
+
+class _Conv(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv1d(8, 8, 3)
+
+
+def test_build_param_groups_puts_routed_experts_in_muon_and_the_router_in_adamw():
+    model = tiny_moe_model(torch.device("meta"))
+    with torch.device("meta"):
         conv = _Conv()
     muon, adamw = build_param_groups(model)
     assert {"layers.1.moe.experts.w1", "layers.1.moe.experts.w2", "layers.1.moe.experts.w3"} <= set(muon["param_names"])
@@ -166,6 +179,44 @@ def test_cpu_adaptation_counts_integer_tokens_like_cuda(monkeypatch):
     assert counts.dtype == torch.int64
     assert counts.tolist() == torch.bincount(indices, minlength=6).tolist()
     assert torch.equal(torch.histc(floats, bins=6, min=0, max=6), expected_floats)  # unchanged
+
+
+class _OneProcess:
+    """The parts of torchtitan's ParallelDims the builders read, for one process: no meshes."""
+
+    cp_enabled = pp_enabled = False
+
+    def get_optional_mesh(self, dims):
+        return None
+
+
+def test_torchtitan_load_balancing_hook_runs_on_the_muon_container(monkeypatch):
+    import torchtitan.components.optimizer
+    from torchtitan.config import ConfigManager
+
+    from titan_muon.torchtitan.cpu import count_integers_on_cpu
+    from titan_muon.torchtitan.optimizer import MuonOptimizersContainer, build_optimizers_with_moe_load_balancing
+
+    monkeypatch.setattr(torch, "histc", torch.histc)  # restored after the test
+    count_integers_on_cpu()
+    model = tiny_moe_model(torch.device("cpu"))
+    config = ConfigManager().parse_args(["--job.config_file", str(MOE_TOML), "--model.flavor", "tiny_moe"])
+    torchtitan_builder = torchtitan.components.optimizer.build_optimizers
+    optimizers = build_optimizers_with_moe_load_balancing([model], config.optimizer, _OneProcess())
+    assert isinstance(optimizers, MuonOptimizersContainer)
+    assert torchtitan.components.optimizer.build_optimizers is torchtitan_builder  # rebound for the call only
+    moe = model.layers["1"].moe
+    assert "layers.1.moe.experts.w1" in optimizers.optimizers[0].param_groups[0]["param_names"]
+    for step in range(2):
+        tokens = torch.randint(0, 2048, (2, 32), generator=torch.Generator().manual_seed(step))
+        model(tokens).float().logsumexp(-1).mean().backward()
+        counted = moe.tokens_per_expert.clone()
+        optimizers.step()
+        optimizers.zero_grad()
+        assert counted.sum() == 2 * 32 * 2  # top-2
+        assert moe.tokens_per_expert.sum() == 0  # the hook consumed the counts
+    # Each step moves every bias by ±1e-3 (load_balance_coeff) less the mean.
+    assert moe.expert_bias.abs().max() > 1e-4
 
 
 # -------------------------------------------------------------- W ranks (gloo)
