@@ -168,12 +168,13 @@ def test_cpu_adaptation_counts_integer_tokens_like_cuda(monkeypatch):
     """torchtitan's router counts tokens per expert with torch.histc on int64 expert indices."""
     from titan_muon.torchtitan.cpu import count_integers_on_cpu
 
+    torch_histc = getattr(torch.histc, "__wrapped__", torch.histc)  # torch's own, even if adapted already
     indices = torch.tensor([0, 2, 2, 5, 1, 2, 0], dtype=torch.int64)
-    with pytest.raises(RuntimeError, match="histogram_cpu"):  # torch's own CPU histc
-        torch.histc(indices, bins=6, min=0, max=6)
+    with pytest.raises(RuntimeError, match="histogram_cpu"):
+        torch_histc(indices, bins=6, min=0, max=6)
     floats = torch.rand(50) * 6
-    expected_floats = torch.histc(floats, bins=6, min=0, max=6)
-    monkeypatch.setattr(torch, "histc", torch.histc)  # restored after the test
+    expected_floats = torch_histc(floats, bins=6, min=0, max=6)
+    monkeypatch.setattr(torch, "histc", torch_histc)  # restored after the test
     count_integers_on_cpu()
     counts = torch.histc(indices, bins=6, min=0, max=6)
     assert counts.dtype == torch.int64
