@@ -88,7 +88,10 @@ def per_expert_reference(steps: int = STEPS) -> dict[str, torch.Tensor]:
     reference = ReferenceMuonAdamW(lr=SETTINGS["lr"], weight_decay=SETTINGS["weight_decay"], momentum=SETTINGS["momentum"])
     for s in range(steps):
         reference.step(params, by_expert(moe_grads(s)), muon)
-    return {name: torch.stack([params[(name, e)] for e in range(shape[0])]) if name in EXPERTS else params[(name, 0)] for name, shape in SHAPES.items()}
+    return {
+        name: torch.stack([params[(name, e)] for e in range(shape[0])]) if name in EXPERTS else params[(name, 0)]
+        for name, shape in SHAPES.items()
+    }
 
 
 # ------------------------------------------------------------------ one process

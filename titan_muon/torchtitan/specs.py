@@ -83,4 +83,5 @@ def _with_titan_muon(base: TrainSpec, extra_flavors: dict, build_optimizers_fn) 
 
 def register_train_specs() -> None:
     register_train_spec("titan_muon_llama3", _with_titan_muon(get_train_spec("llama3"), LLAMA3_FLAVORS, build_optimizers))
-    register_train_spec("titan_muon_mla", _with_titan_muon(get_train_spec("deepseek_v3"), MLA_FLAVORS, build_optimizers_with_moe_load_balancing))
+    mla = _with_titan_muon(get_train_spec("deepseek_v3"), MLA_FLAVORS, build_optimizers_with_moe_load_balancing)
+    register_train_spec("titan_muon_mla", mla)
