@@ -1,8 +1,13 @@
 """Split a model's parameters into a Muon group and an AdamW group, the usual way.
 
-Muon is for the hidden 2-D weight matrices. Embeddings and the output head are 2-D too but
-are lookup tables / classifiers rather than linear maps between hidden states, so they go
-to AdamW, together with norms, biases and everything that is not 2-D.
+Muon is for the hidden weight matrices: 2-D weights, and the grouped weights of MoE experts,
+3-D ``[experts, out, in]`` stacks of one matrix per expert (torchtitan's
+``moe.experts.w1/w2/w3``; each expert is orthogonalized on its own). Embeddings, the output
+head and the MoE router (``router``, ``gate``) are 2-D too but are lookup tables /
+classifiers rather than linear maps between hidden states, so they go to AdamW, together
+with norms, biases and every other tensor: a 3-D tensor outside an ``experts`` module (a
+convolution's ``[out, in, kernel]``, say) is not a stack of matrices the model multiplies
+by, so it stays AdamW unless ``muon_patterns`` says otherwise.
 """
 
 from __future__ import annotations
@@ -15,6 +20,10 @@ from torch import nn
 
 # FQN components that mark embeddings and output heads in torchtitan and Hugging Face models.
 ADAMW_MODULE_NAMES = frozenset({"tok_embeddings", "embed_tokens", "embeddings", "embedding", "wte", "wpe", "output", "lm_head"})
+# FQN components that mark MoE routers: torchtitan's ``moe.router.gate``, Hugging Face's ``mlp.gate``.
+ROUTER_MODULE_NAMES = frozenset({"router", "gate"})
+# The FQN component of grouped MoE expert weights (torchtitan's GroupedExperts, ``moe.experts.w1``).
+EXPERTS_MODULE_NAME = "experts"
 # Wrappers that insert themselves into FQNs without changing what a parameter is.
 _WRAPPER_PREFIXES = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
 
@@ -32,9 +41,12 @@ def uses_muon(name: str, param: torch.Tensor, adamw_patterns: Iterable[str] = ()
         return False
     if any(fnmatchcase(fqn, pattern) for pattern in muon_patterns):
         return True
-    parts = fqn.split(".")
-    is_head_or_embedding = any(part in ADAMW_MODULE_NAMES for part in parts[:-1])
-    return param.ndim == 2 and not is_head_or_embedding and "norm" not in fqn.lower()
+    modules = fqn.split(".")[:-1]
+    if any(part in ADAMW_MODULE_NAMES or part in ROUTER_MODULE_NAMES for part in modules) or "norm" in fqn.lower():
+        return False
+    if param.ndim == 3:
+        return bool(modules) and modules[-1] == EXPERTS_MODULE_NAME
+    return param.ndim == 2
 
 
 def build_param_groups(
@@ -53,7 +65,7 @@ def build_param_groups(
 
     Settings left as None fall back to the optimizer's defaults. Parameters that do not
     require gradients are left out. A parameter forced into Muon by `muon_patterns` must
-    still be 2-D (the optimizer says so, naming it).
+    still be 2-D or a 3-D stack of matrices (the optimizer says so, naming it).
     """
     if isinstance(named_parameters, nn.Module):
         named_parameters = named_parameters.named_parameters()

@@ -60,7 +60,7 @@ class Optimizer:
     adamw_patterns: list[str] = field(default_factory=list)
     """Extra fnmatch patterns on parameter FQNs forced to AdamW, e.g. "layers.0.*"."""
     muon_patterns: list[str] = field(default_factory=list)
-    """fnmatch patterns forced to Muon (2-D only); adamw_patterns win over these."""
+    """fnmatch patterns forced to Muon (2-D, or 3-D stacks of matrices); adamw_patterns win over these."""
 
 
 @dataclass

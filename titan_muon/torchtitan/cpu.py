@@ -12,10 +12,16 @@ treated as CUDA. Everything needed to train without a GPU lives in this module:
    disables FSDP's gradient division (it divides the loss by the global token count
    instead); FSDP then asks for ``PREMUL_SUM(1.0)``, which gloo does not implement.
    With a divide factor of 1, a SUM reduction is exactly the same math.
+3. :func:`use_cpu_device` also lets torchtitan's MoE layer run (:func:`count_integers_on_cpu`,
+   :func:`permute_tokens_on_cpu`): it counts tokens per expert with ``torch.histc`` on the
+   integer expert indices, which torch implements on CUDA but not on CPU, and with expert
+   parallel it lays tokens out per expert with a Triton kernel (``generate_permute_indices``)
+   whose CPU version torchtitan ships but does not select.
 
 On a CUDA machine none of this is used.
 """
 
+import functools
 import os
 import resource
 
@@ -25,6 +31,8 @@ from torch.distributed.fsdp import FSDPModule
 
 import torchtitan.components.metrics
 import torchtitan.distributed.parallel_dims
+import torchtitan.models.moe.kernels
+import torchtitan.models.moe.utils
 import torchtitan.distributed.utils
 import torchtitan.tools.profiling
 import torchtitan.tools.utils
@@ -74,7 +82,8 @@ def should_use_cpu() -> bool:
 
 
 def use_cpu_device() -> None:
-    """Rebind torchtitan's import-time device choice to the CPU (and thus gloo)."""
+    """Rebind torchtitan's import-time device choice to the CPU (and thus gloo), and let its
+    MoE layer run there."""
     device_module = CPUDeviceModule()
     for module in (
         torchtitan.tools.utils,
@@ -87,6 +96,41 @@ def use_cpu_device() -> None:
             module.device_type = "cpu"
         if hasattr(module, "device_module"):
             module.device_module = device_module
+    count_integers_on_cpu()
+    permute_tokens_on_cpu()
+
+
+def count_integers_on_cpu() -> None:
+    """Give ``torch.histc`` the integer CPU inputs it lacks ("histogram_cpu" not implemented
+    for 'Long'), as CUDA has them: the counts come out in the input's dtype, so torchtitan's
+    token counts per expert stay integers (expert parallel's all-to-all splits need ints).
+
+    Every input torch already handles goes to torch's own ``histc`` unchanged. Integer
+    inputs are counted in float64, where every integer of a bin's range is exact (torchtitan
+    counts expert indices 0..E-1 into E bins of width 1) and counts up to 2**53 are too.
+    """
+    original = torch.histc
+    if getattr(original, "counts_integers_on_cpu", False):
+        return
+
+    @functools.wraps(original)
+    def histc(input, bins=100, min=0, max=0, *, out=None):  # noqa: A002 (torch's names)
+        if out is None and input.device.type == "cpu" and not input.is_floating_point() and not input.is_complex():
+            return original(input.double(), bins=bins, min=min, max=max).to(input.dtype)
+        kwargs = {} if out is None else {"out": out}
+        return original(input, bins=bins, min=min, max=max, **kwargs)
+
+    histc.counts_integers_on_cpu = True
+    torch.histc = histc
+
+
+def permute_tokens_on_cpu() -> None:
+    """Expert parallel's token layout (``torchtitan.models.moe.utils._permute``) calls
+    ``generate_permute_indices`` with its Triton kernel; torchtitan's own CPU implementation
+    of it is selected by ``use_cpu=True``. Rebinds the name that utils imported."""
+    torchtitan.models.moe.utils.generate_permute_indices = functools.partial(
+        torchtitan.models.moe.kernels.generate_permute_indices, use_cpu=True
+    )
 
 
 def force_sum_reductions(model_parts: list[nn.Module]) -> None:

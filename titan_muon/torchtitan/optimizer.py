@@ -1,16 +1,19 @@
 """``build_optimizers_fn`` for the titan_muon train specs.
 
 ``[optimizer] name = "Muon"`` builds one :class:`titan_muon.Muon` per model part (Muon for
-hidden matrices, AdamW for embeddings, the output head, norms and biases), wrapped in a
-subclass of torchtitan's ``OptimizersContainer`` so its checkpointing (flattened DCP
-optimizer state dicts) and LR schedulers (one ``LambdaLR`` per optimizer, scaling every
-param group) work unchanged. Any other name goes to torchtitan's own builder.
+hidden matrices and routed MoE experts, AdamW for embeddings, the output head, the router,
+norms and biases), wrapped in a subclass of torchtitan's ``OptimizersContainer`` so its
+checkpointing (flattened DCP optimizer state dicts) and LR schedulers (one ``LambdaLR`` per
+optimizer, scaling every param group) work unchanged. Any other name goes to torchtitan's
+own builder. :func:`build_optimizers_with_moe_load_balancing` adds torchtitan's MoE
+expert-bias hook to either.
 """
 
-from collections.abc import Callable
+from contextlib import contextmanager
 from typing import Any
 
 import torch.nn as nn
+import torchtitan.components.optimizer
 from torchtitan.components.optimizer import OptimizersContainer, build_optimizers as build_torchtitan_optimizers
 from torchtitan.distributed import ParallelDims
 
@@ -99,7 +102,6 @@ def build_optimizers(
     model_parts: list[nn.Module],
     optimizer_config: Any,
     parallel_dims: ParallelDims,
-    fallback: Callable[..., OptimizersContainer] = build_torchtitan_optimizers,
     **kwargs,
 ) -> OptimizersContainer:
     validate_optimizer_config(optimizer_config)
@@ -108,6 +110,33 @@ def build_optimizers(
             raise ValueError('[optimizer] early_step_in_backward is not supported with name = "Muon"')
         optimizers = MuonOptimizersContainer(model_parts, optimizer_config, parallel_dims)
     else:
-        optimizers = fallback(model_parts, optimizer_config, parallel_dims, **kwargs)
+        optimizers = build_torchtitan_optimizers(model_parts, optimizer_config, parallel_dims, **kwargs)
     time_optimizer_steps(optimizers)
     return optimizers
+
+
+@contextmanager
+def _torchtitan_builder_replaced_by(builder):
+    """Within the block, torchtitan's module-level ``build_optimizers`` is ``builder``."""
+    module = torchtitan.components.optimizer
+    original = module.build_optimizers
+    module.build_optimizers = builder
+    try:
+        yield
+    finally:
+        module.build_optimizers = original
+
+
+def build_optimizers_with_moe_load_balancing(model_parts, optimizer_config, parallel_dims, **kwargs):
+    """torchtitan's ``build_optimizers_with_moe_load_balancing``, building our container for Muon.
+
+    torchtitan's function builds the optimizers with its module-level ``build_optimizers`` and
+    then registers the expert-bias update as a step pre-hook; the hook is a closure, so the
+    only way to reuse it rather than copy it is to have that function build our optimizers:
+    the name is rebound for the duration of this one call (single-threaded setup) and
+    restored afterwards. Our builder sends names other than "Muon" back to torchtitan's own.
+    """
+    with _torchtitan_builder_replaced_by(build_optimizers):
+        return torchtitan.components.optimizer.build_optimizers_with_moe_load_balancing(
+            model_parts, optimizer_config, parallel_dims, **kwargs
+        )

@@ -3,6 +3,8 @@
 Each is torchtitan's own spec (``llama3``, ``deepseek_v3``) with five swaps: our optimizer
 builder, our metrics processor, the offline tokenizer, a few extra small model flavors, and
 under pipeline parallel a loss whose gradient is normalized (pipeline.py).
+``titan_muon_mla`` keeps torchtitan's MoE expert-bias load balancing for every optimizer,
+Muon included.
 Select one with ``[model] name = "titan_muon_llama3"`` and
 ``[experimental] custom_import = "titan_muon.torchtitan"``.
 """
@@ -10,14 +12,14 @@ Select one with ``[model] name = "titan_muon_llama3"`` and
 import dataclasses
 from collections.abc import Mapping
 
-from torchtitan.components.optimizer import build_optimizers_with_moe_load_balancing
 from torchtitan.models.deepseek_v3 import DeepSeekV3ModelArgs
 from torchtitan.models.llama3 import TransformerModelArgs
+from torchtitan.models.moe import MoEArgs
 from torchtitan.protocols.train_spec import TrainSpec, get_train_spec, register_train_spec
 
 from titan_muon.torchtitan.data import build_tokenizer
 from titan_muon.torchtitan.metrics import build_metrics_processor
-from titan_muon.torchtitan.optimizer import build_optimizers
+from titan_muon.torchtitan.optimizer import build_optimizers, build_optimizers_with_moe_load_balancing
 from titan_muon.torchtitan.pipeline import pipeline_loss_builder
 
 LLAMA3_FLAVORS = {
@@ -30,9 +32,14 @@ LLAMA3_FLAVORS = {
     ),
 }
 
-# Multi-head latent attention (DeepSeek-V3) with dense MLPs in every layer
-# (n_dense_layers = n_layers): torchtitan 0.2.2's MoE layer fails on CPU
-# ("histogram_cpu" not implemented for 'Long' when it counts tokens per expert).
+# DeepSeek-V3's MoE layer: sigmoid router scores normalized over the top k, one shared
+# expert, auxiliary-loss-free load balancing (expert biases). On CPU see cpu.py.
+def _moe(num_experts: int) -> MoEArgs:
+    return MoEArgs(num_experts=num_experts, num_shared_experts=1, top_k=2, score_func="sigmoid", route_norm=True)
+
+
+# Multi-head latent attention (DeepSeek-V3): *_dense flavors use dense MLPs in every layer
+# (n_dense_layers = n_layers), *_moe flavors one dense layer and then MoE layers.
 MLA_FLAVORS = {
     "debugmodel_dense": DeepSeekV3ModelArgs(
         vocab_size=2048, dim=256, inter_dim=768, n_layers=3, n_dense_layers=3, n_heads=8,
@@ -41,6 +48,16 @@ MLA_FLAVORS = {
     "tiny_dense": DeepSeekV3ModelArgs(  # for tests
         vocab_size=2048, dim=64, inter_dim=128, n_layers=2, n_dense_layers=2, n_heads=4,
         q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+    ),
+    "debugmodel_moe": DeepSeekV3ModelArgs(
+        vocab_size=2048, dim=256, inter_dim=768, moe_inter_dim=192, n_layers=3, n_dense_layers=1, n_heads=8,
+        q_lora_rank=128, kv_lora_rank=128, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
+        moe_args=_moe(8),
+    ),
+    "tiny_moe": DeepSeekV3ModelArgs(  # for tests: 6 experts split unevenly over 4 ranks
+        vocab_size=2048, dim=64, inter_dim=128, moe_inter_dim=32, n_layers=2, n_dense_layers=1, n_heads=4,
+        q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+        moe_args=_moe(6),
     ),
 }  # fmt: skip
 
@@ -64,19 +81,7 @@ def _with_titan_muon(base: TrainSpec, extra_flavors: dict, build_optimizers_fn) 
     )
 
 
-def _build_mla_optimizers(model_parts, optimizer_config, parallel_dims, **kwargs):
-    if optimizer_config.name == "Muon" and any(
-        getattr(block, "moe_enabled", False) for model in model_parts for block in model.get_submodule("layers").children()
-    ):
-        raise ValueError(
-            '[optimizer] name = "Muon" supports the dense flavors of titan_muon_mla only '
-            "(MoE experts are 3-D and need torchtitan's expert-bias hook); use a *_dense flavor"
-        )
-    return build_optimizers(
-        model_parts, optimizer_config, parallel_dims, fallback=build_optimizers_with_moe_load_balancing, **kwargs
-    )
-
-
 def register_train_specs() -> None:
     register_train_spec("titan_muon_llama3", _with_titan_muon(get_train_spec("llama3"), LLAMA3_FLAVORS, build_optimizers))
-    register_train_spec("titan_muon_mla", _with_titan_muon(get_train_spec("deepseek_v3"), MLA_FLAVORS, _build_mla_optimizers))
+    mla = _with_titan_muon(get_train_spec("deepseek_v3"), MLA_FLAVORS, build_optimizers_with_moe_load_balancing)
+    register_train_spec("titan_muon_mla", mla)
