@@ -332,6 +332,7 @@ class Muon(Optimizer):
         timer.start("step")
         self.transport.bytes_sent = self.transport.bytes_received = self._outbound_bytes = 0
         self._ensure_state()
+        self._align_gradients()
         verdict = self._agree_on_gradients()  # host read 1
         if verdict is None:  # non-finite gradients with nonfinite_grads="skip"
             self.skipped_steps += 1
@@ -345,6 +346,20 @@ class Muon(Optimizer):
         timer.stop("step")
         self._finish_metrics(work, timer, verdict)
         return loss
+
+    def _align_gradients(self) -> None:
+        """Give every DTensor gradient its parameter's placements.
+
+        FSDP2 does; plain DTensor autograd (tensor parallel without FSDP) can leave a gradient
+        Partial (a replicated norm weight under sequence parallel) or otherwise laid out. The
+        step works on local blocks, so those are redistributed first (collectives on the
+        device, no host reads).
+        """
+        for group in self.param_groups:
+            for p in group["params"]:
+                grad = p.grad
+                if isinstance(grad, DTensor) and isinstance(p, DTensor) and tuple(grad.placements) != tuple(p.placements):
+                    p.grad = grad.redistribute(p.device_mesh, p.placements)
 
     def _agree_on_gradients(self) -> "_Verdict | None":
         """Decide collectively what to do about missing and non-finite gradients (and overlap).
