@@ -88,10 +88,10 @@ def _clean(rank, world, overrides):
     [
         (2, "orthogonalize", 1, {}),
         (3, "orthogonalize", 2, {"momentum_dtype": "bf16"}),
-        (3, "pack", 0, {}),
-        (2, "pack", 1, {"buckets_in_flight": 1}),
+        (3, "nesterov_input", 0, {}),
+        (2, "nesterov_input", 1, {"buckets_in_flight": 1}),
     ],
-    ids=["ns-W2", "ns-W3-bf16-momentum", "pack-W3", "pack-W2-window1"],
+    ids=["ns-W2", "ns-W3-bf16-momentum", "packing-W3", "packing-W2-window1"],
 )
 def test_failure_on_one_rank_raises_everywhere_and_changes_nothing(tmp_path, world, where, failing_rank, overrides):
     results = run_distributed(_fail_once, world, where, failing_rank, str(tmp_path), overrides, timeout=240)

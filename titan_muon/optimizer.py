@@ -20,8 +20,6 @@ and placements (plan.py), so a run on any layout computes what the one-process r
 
 from __future__ import annotations
 
-import math
-import time
 from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -38,7 +36,7 @@ from titan_muon.newton_schulz import NS_METHODS, coefficient_schedule, newton_sc
 from titan_muon.overlap import BackwardOverlap
 from titan_muon.owner_state import blocks_to_shards, shards_to_blocks
 from titan_muon.plan import BucketSchedule, Plan, Unit, build_plan, rank_schedule
-from titan_muon.redistribute import assemble, disassemble, local_views, pack, unpack
+from titan_muon.redistribute import assemble, disassemble, unpack
 from titan_muon.split import RowBlocks, match_row_blocks, row_block_ranges
 from titan_muon.state import momentum_storage
 from titan_muon.timing import StepTimer

@@ -31,7 +31,6 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from titan_muon.plan import BucketSchedule, Plan
