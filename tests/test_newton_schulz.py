@@ -5,6 +5,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from reference import reference_ns
+from titan_muon import newton_schulz
 from titan_muon.newton_schulz import (
     GRAM_MAX_RUN,
     GRAM_MIN_ASPECT,
@@ -129,9 +130,18 @@ def sample_matrix(shape, kind, seed):
 ACCURACY_SHAPES = [(96, 96), (64, 256), (64, 224), (224, 64)]
 
 
+@pytest.fixture(params=["whole", "split"])
+def symmetric_products(request, monkeypatch):
+    """Run each accuracy test twice: symmetric products as one GEMM, and as three blocks (the
+    split used from SYMMETRIC_SPLIT_MIN rows on, forced here on these small shapes)."""
+    if request.param == "split":
+        monkeypatch.setattr(newton_schulz, "SYMMETRIC_SPLIT_MIN", 16)
+    return request.param
+
+
 @pytest.mark.parametrize("method", ["keller", "polar_express"])
 @pytest.mark.parametrize("kind", ["gaussian", "low_rank"])
-def test_gram_is_within_the_fp32_rounding_envelope(method, kind):
+def test_gram_is_within_the_fp32_rounding_envelope(method, kind, symmetric_products):
     """In fp32 both algorithms stay inside the same a priori rounding envelope around the float64
     U f(S) Vᵀ (measured: 10x to 100x inside it), so their orthogonality errors and distances to
     U Vᵀ agree to within the Lipschitz constants times twice the envelope."""
@@ -151,7 +161,7 @@ BF16_CASES = [(s, "gaussian") for s in ACCURACY_SHAPES[1:]] + [(s, "low_rank") f
 
 
 @pytest.mark.parametrize("method", ["keller", "polar_express"])
-def test_gram_is_as_accurate_as_standard_in_bf16(method):
+def test_gram_is_as_accurate_as_standard_in_bf16(method, symmetric_products):
     """Bound: gram's rounding error ≤ 2.5x standard's (+ 4 eps), standard's measured on the same
     input, which carries its conditioning. Budget: for 5 steps gram rounds 20 products to
     standard's 15, and its accumulated polynomial is rounded at the scale of its largest
@@ -198,10 +208,11 @@ def test_every_algorithm_runs_on_meta(algorithm, shape):
         assert out.shape == shape and out.device.type == "meta" and out.dtype == dtype
 
 
-@pytest.mark.parametrize("shape", [(64, 256), (256, 64), (3, 64, 224), (96, 96)])
+@pytest.mark.parametrize("shape", [(64, 256), (256, 64), (3, 64, 224), (96, 96), (601, 1500), (2, 1024, 512)])
 @pytest.mark.parametrize("steps", [1, 3, 5, 7])
 def test_flops_match_counted_matmuls(shape, steps):
-    """newton_schulz_flops equals what torch's FlopCounterMode counts in the actual run."""
+    """newton_schulz_flops equals what torch's FlopCounterMode counts in the actual run (on meta:
+    no values), with and without the symmetric block split (odd sides included)."""
     for algorithm in ("standard", "gram"):
         with FlopCounterMode(display=False) as counter:
             orthogonalize(torch.empty(*shape, device="meta"), steps, algorithm=algorithm)
@@ -209,12 +220,14 @@ def test_flops_match_counted_matmuls(shape, steps):
         assert counter.get_total_flops() == batch * newton_schulz_flops(*shape[-2:], steps, algorithm), algorithm
 
 
-def test_gram_saves_flops_on_rectangles_only():
-    m = 1024
-    ratio = lambda n: newton_schulz_flops(m, n, 5, "gram") / newton_schulz_flops(m, n, 5)
-    assert ratio(m) > 1 and abs(ratio(3 * m // 2) - 1) < 1e-12 and ratio(3584) == pytest.approx(0.70)
+def test_gram_flop_ratios():
+    """Without the split (m < SYMMETRIC_SPLIT_MIN): 8m²n + 28m³ vs 20m²n + 10m³ for 5 steps, equal at
+    n = 1.5m. With it the symmetric products cost 3/4: 7m²n + 21m³."""
+    ratio = lambda m, n: newton_schulz_flops(m, n, 5, "gram") / newton_schulz_flops(m, n, 5)
+    assert ratio(256, 256) == pytest.approx(36 / 30) and ratio(256, 384) == pytest.approx(1.0) and ratio(256, 1024) == pytest.approx(60 / 90)
+    assert ratio(1024, 1024) == pytest.approx(28 / 30) and ratio(1024, 3584) == pytest.approx((7 * 3.5 + 21) / 80)
     with pytest.raises(ValueError, match="resolved algorithm"):
-        newton_schulz_flops(m, m, 5, "auto")
+        newton_schulz_flops(64, 64, 5, "auto")
 
 
 def test_gram_segments():

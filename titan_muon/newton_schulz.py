@@ -36,6 +36,10 @@ NS_ALGORITHMS = ("standard", "gram", "auto")
 GRAM_MAX_RUN = 3
 GRAM_MIN_ASPECT = 2.0
 GRAM_MIN_SIDE = 64
+# From this many rows on, a product known to be symmetric is computed as three half-size blocks
+# (upper triangle of a 2x2 block split) and mirrored: 3/4 of the multiply-adds (torch exposes no
+# SYRK/SYMM). Below it the extra launches and copies cost more than they save (measured).
+SYMMETRIC_SPLIT_MIN = 512
 
 
 def coefficient_schedule(method: str | tuple[float, float, float], steps: int) -> list[tuple[float, float, float]]:
@@ -72,13 +76,15 @@ def newton_schulz_flops(rows: int, cols: int, steps: int, algorithm: str = "stan
 
     standard: 4m²n + 2m³ per step (X Xᵀ, its square, and the product with X).
     gram: per run of L steps, 4m²n (X Xᵀ, then Q X) plus 2m³·(4L − 3) (per step one square of the
-    Gram matrix, L − 1 products into Q, 2(L − 1) Gram updates).
+    Gram matrix, L − 1 products into Q, 2(L − 1) Gram updates); from SYMMETRIC_SPLIT_MIN rows on,
+    the symmetric products (all but Q X) cost 3/4 of that.
     """
     m, n = min(rows, cols), max(rows, cols)
     if algorithm == "standard":
         return steps * (4 * m * m * n + 2 * m * m * m)
     if algorithm == "gram":
-        return sum(4 * m * m * n + 2 * m * m * m * (4 * length - 3) for length in gram_segments(steps))
+        square, gram_matrix, apply = _symmetric_flops(m, m), _symmetric_flops(m, n), 2 * m * m * n
+        return sum(gram_matrix + apply + (4 * length - 3) * square for length in gram_segments(steps))
     raise ValueError(f"newton_schulz_flops needs a resolved algorithm ('standard' or 'gram'), got {algorithm!r}")
 
 
@@ -98,6 +104,30 @@ def _addmm(bias: Tensor, m1: Tensor, m2: Tensor, beta: float = 1.0, alpha: float
     if bias.ndim == 3:
         return torch.baddbmm(bias, m1, m2, beta=beta, alpha=alpha)
     return torch.addmm(bias, m1, m2, beta=beta, alpha=alpha)
+
+
+def _symmetric_addmm(bias: Tensor | None, m1: Tensor, m2: Tensor, beta: float = 1.0, alpha: float = 1.0) -> Tensor:
+    """beta·bias + alpha·(m1 @ m2), or m1 @ m2 without bias, for a product known to be symmetric."""
+    size = m1.size(-2)
+    if size < SYMMETRIC_SPLIT_MIN:
+        return m1 @ m2 if bias is None else _addmm(bias, m1, m2, beta, alpha)
+    h = size // 2
+
+    def block(rows: slice, cols: slice) -> Tensor:
+        a, b = m1[..., rows, :], m2[..., :, cols]
+        return a @ b if bias is None else _addmm(bias[..., rows, cols], a, b, beta, alpha)
+
+    top, bottom = slice(None, h), slice(h, None)
+    upper = block(top, bottom)
+    return torch.cat([torch.cat([block(top, top), upper], -1), torch.cat([upper.mT, block(bottom, bottom)], -1)], -2)
+
+
+def _symmetric_flops(rows: int, inner: int) -> int:
+    """FLOPs of _symmetric_addmm for a (rows, inner) @ (inner, rows) product."""
+    if rows < SYMMETRIC_SPLIT_MIN:
+        return 2 * rows * rows * inner
+    h, rest = rows // 2, rows - rows // 2
+    return 2 * inner * (h * h + h * rest + rest * rest)
 
 
 def _plus_identity(matrix: Tensor, scale: float) -> Tensor:
@@ -125,20 +155,21 @@ def gram_iterations(x: Tensor, schedule: list[tuple[float, float, float]], segme
     run's end, where the next run recomputes G = X Xᵀ from it (the restart). P itself is only
     formed once per run (Q = P at its first step); every other product with P is a·Y + B·Y in
     one addmm, so a bf16 P never rounds B away against the much larger a on its diagonal.
+    Every m×m product is a polynomial in G, hence symmetric: only its upper blocks are computed.
     """
     start = 0
     for length in segments:
-        gram = x @ x.mT
+        gram = _symmetric_addmm(None, x, x.mT)
         accumulated = None
         for i, (a, b, c) in enumerate(schedule[start : start + length]):
-            poly = _addmm(gram, gram, gram, beta=b, alpha=c)
+            poly = _symmetric_addmm(gram, gram, gram, beta=b, alpha=c)
             if accumulated is None:
                 accumulated = _plus_identity(poly.clone(), a)
             else:
-                accumulated = _addmm(accumulated, poly, accumulated, beta=a)
+                accumulated = _symmetric_addmm(accumulated, poly, accumulated, beta=a)
             if i + 1 < length:
-                half = _addmm(gram, poly, gram, beta=a)
-                gram = _addmm(half, poly, half, beta=a)
+                half = _symmetric_addmm(gram, poly, gram, beta=a)
+                gram = _symmetric_addmm(half, poly, half, beta=a)
         x = accumulated @ x
         start += length
     return x
