@@ -34,7 +34,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # Transformer shapes scaled down 4x per side: attention 4096² -> 1024², GQA k/v 1024x4096 -> 256x1024,
 # MLP 4096x14336 -> 1024x3584; then a batch of 4 of each (what a bucket of equal shapes runs).
 SPEED_SHAPES = "1024x1024,256x1024,1024x3584,4x1024x1024,4x256x1024,4x1024x3584"
-SWEEP_SHAPES = "512x512,512x640,512x768,512x1024,512x1280,512x1536,512x2048,128x512,64x256,32x128"
+SWEEP_SHAPES = "256x256,256x384,256x512,256x640,256x768,256x1024,512x512,512x768,512x1024,512x1280,512x1536,512x2048,32x128,64x256,128x512"
 # Accuracy on smaller stand-ins (a float64 SVD per matrix): square, 1024x4096-like, 4096x14336-like.
 ACCURACY_SHAPES = "256x256,256x1024,512x1792"
 
@@ -97,31 +97,33 @@ def errors(out: torch.Tensor, polar: torch.Tensor, polynomial: torch.Tensor) -> 
     return norm(short - eye), norm(o - polar), norm(o - polynomial)
 
 
-def no_restart(matrix: torch.Tensor, method: str, dtype: torch.dtype) -> torch.Tensor:
-    """Gram Newton–Schulz run as one 5-step run, no restart (what gram_segments avoids)."""
+def gram_with_runs(matrix: torch.Tensor, method: str, dtype: torch.dtype, runs: tuple[int, ...]) -> torch.Tensor:
+    """Gram Newton–Schulz with the given run lengths instead of gram_segments' (2, 3)."""
     x = matrix.to(dtype)
     x = x.mT if x.size(0) > x.size(1) else x
     x = x / (torch.linalg.vector_norm(x) * (1.01 if method == "polar_express" else 1.0))
-    out = gram_iterations(x, coefficient_schedule(method, 5), (5,))
+    out = gram_iterations(x, coefficient_schedule(method, 5), runs)
     return out.mT if matrix.size(0) > matrix.size(1) else out
 
 
-def accuracy_rows(shapes: list[tuple[int, ...]], dtype_names: list[str]) -> list[str]:
+def restart_rows(shape: tuple[int, int], dtype_names: list[str], splits: list[tuple[int, ...]], seeds: int) -> list[str]:
+    """Worst over `seeds` inputs of the rounding error ‖O − U f(S) Vᵀ‖₂, standard and gram with each split into runs."""
     rows = []
-    for shape in shapes:
-        for kind in ("gaussian", "low-rank"):
-            generator = torch.Generator().manual_seed(1)
-            matrix = torch.randn(*shape, generator=generator, dtype=torch.float64) if kind == "gaussian" else lowrank(*shape, generator)
-            for method in ("keller", "polar_express"):
-                polar, polynomial = exact_targets(matrix, method)
-                for dtype_name in dtype_names:
+    label = "x".join(map(str, shape))
+    for dtype_name in dtype_names:
+        for method in ("keller", "polar_express"):
+            for kind in ("gaussian", "low-rank"):
+                worst = [0.0] * (len(splits) + 1)
+                for seed in range(seeds):
+                    generator = torch.Generator().manual_seed(seed)
+                    matrix = torch.randn(*shape, generator=generator, dtype=torch.float64) if kind == "gaussian" else lowrank(*shape, generator)
+                    _, polynomial = exact_targets(matrix, method)
                     dtype = DTYPES[dtype_name]
-                    outs = {a: orthogonalize(matrix.float(), 5, method, dtype, algorithm=a) for a in ("standard", "gram")}
-                    outs["gram, no restart"] = no_restart(matrix.float(), method, dtype)
-                    cells = [" / ".join(f"{v:.3g}" for v in errors(o, polar, polynomial)) for o in outs.values()]
-                    label = "x".join(map(str, shape))
-                    rows.append(f"| {label} | {kind} | {method} | {dtype_name} | " + " | ".join(cells) + " |")
-                    print(rows[-1], flush=True)
+                    outs = [orthogonalize(matrix.float(), 5, method, dtype)] + [gram_with_runs(matrix.float(), method, dtype, r) for r in splits]
+                    errs = [torch.linalg.matrix_norm(o.double() - polynomial, 2).item() for o in outs]
+                    worst = [max(w, e) for w, e in zip(worst, errs)]
+                rows.append(f"| {label} | {dtype_name} | {method} | {kind} | " + " | ".join(f"{w:.2g}" for w in worst) + " |")
+                print(rows[-1], flush=True)
     return rows
 
 
@@ -137,8 +139,8 @@ def machine() -> str:
 def write_section(path: Path, heading: str, body: str) -> None:
     """Replace (or append) the section starting at `heading`, keeping the rest of the file."""
     text = path.read_text() if path.exists() else "# Newton–Schulz\n"
-    if heading in text:
-        start = text.index(heading)
+    if f"\n{heading}\n" in text:
+        start = text.index(f"\n{heading}\n") + 1
         nxt = text.find("\n## ", start + len(heading))
         text = text[:start] + body + (text[nxt + 1 :] if nxt != -1 else "")
     else:
@@ -155,6 +157,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--accuracy-shapes", default=ACCURACY_SHAPES)
     parser.add_argument("--no-accuracy", action="store_true")
+    parser.add_argument("--restarts", action="store_true", help="only the table of run splits (why gram_segments restarts where it does)")
+    parser.add_argument("--restart-shapes", default="256x896,64x256,96x96")
+    parser.add_argument("--seeds", type=int, default=4, help="inputs per cell of the --restarts table")
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
     if args.threads:
@@ -162,12 +167,28 @@ def main() -> None:
 
     command = "python scripts/bench_newton_schulz.py " + " ".join(sys.argv[1:])
     header = [f"Command: `{command.strip()}`  ", f"Machine: {machine()}.", ""]
+    if args.restarts:
+        splits = [(5,), (1, 4), (4, 1), (3, 2), (2, 3), (2, 2, 1)]
+        table = [
+            "| shape | dtype | coefficients | matrix | standard | " + " | ".join("runs " + "+".join(map(str, r)) for r in splits) + " |",
+            "|---|---|---|---|---|" + "---|" * len(splits),
+            *[row for shape in args.restart_shapes.split(",") for row in restart_rows(parse_shape(shape), ["fp32", "bf16"], splits, args.seeds)],
+        ]
+        note = (
+            f"Worst over {args.seeds} inputs of ‖O − U f(S) Vᵀ‖₂ (rounding error alone), 5 steps; "
+            "runs L1+L2+...: steps between restarts (gram_segments(5) = 2+3)."
+        )
+        body = "\n".join(["## Restarts", "", *header, note, "", *table, ""])
+        print(body)
+        if not args.no_write:
+            write_section(ROOT / "docs" / "newton_schulz.md", "## Restarts", body)
+        return
     table = ["| shape | dtype | standard ms | gram ms | gram / standard time | gram / standard FLOPs |", "|---|---|---|---|---|---|"]
     shapes = [parse_shape(s) for s in (SWEEP_SHAPES if args.sweep else args.shapes).split(",")]
     table += speed_rows(shapes, "fp32", args.repeats)
     if args.bf16_shapes and not args.sweep:
         table += speed_rows([parse_shape(s) for s in args.bf16_shapes.split(",")], "bf16", args.repeats)
-    heading = "## Speed, aspect-ratio sweep" if args.sweep else "## Speed"
+    heading = "## Crossover sweep" if args.sweep else "## Speed"
     speed = "\n".join([heading, "", *header, f"Median of {args.repeats} interleaved calls per algorithm, 5 Keller steps.", "", *table, ""])
     print(speed)
     if not args.no_write:

@@ -100,19 +100,6 @@ def orthogonality_error(o):
     return spectral(short - torch.eye(short.size(0), dtype=torch.float64))
 
 
-def rounding_envelope(method, dtype, steps=5):
-    """A priori bound on ‖O − U f(S) Vᵀ‖₂ from rounding alone. A relative error eps made before
-    step j (t = 0: rounding the scaled input) grows by at most a_j = p_j'(0) per later step:
-    the small singular values, where the polynomials are steepest, carry the largest growth.
-    Each step rounds at most 4 products whose errors reach the output (gram: square of the
-    Gram matrix, accumulated polynomial, two halves of the Gram update; standard: 3)."""
-    growth, total = 1.0, 1.0
-    for a, _, _ in reversed(coefficient_schedule(method, steps)):
-        growth *= abs(a)
-        total += growth
-    return 4 * torch.finfo(dtype).eps * total
-
-
 def metrics_within(gram, std, polar, slack):
     """‖O Oᵀ − I‖₂ and ‖O − U Vᵀ‖₂ are Lipschitz in O with constants ‖O‖ + ‖O'‖ ≤ 2.5 and 1, so
     gram's may exceed standard's by at most those times ‖O_gram − O_std‖ ≤ slack."""
@@ -126,8 +113,20 @@ def sample_matrix(shape, kind, seed):
     return low_rank(*shape, seed)
 
 
-# Square, 1024x4096-like and 4096x14336-like scaled down (aspect 4 and 3.5), and tall.
-ACCURACY_SHAPES = [(96, 96), (64, 256), (64, 224), (224, 64)]
+def rounds_like_standard(gram, std, target, dtype):
+    """Gram's rounding error against standard's on the same input, which carries the input's
+    conditioning (an a priori bound is ~10 in bf16, vacuous).
+
+    Frobenius norm (all singular directions): ≤ 2x. Over 5 steps gram rounds 20 products to
+    standard's 15 (1.15x in quadrature, 1.33x added up), and its accumulated Q is rounded at the
+    scale of its largest eigenvalue, not of the output; 2x allows for that. Measured ≤ 1.7x
+    (bf16, Polar Express, Gaussian; 1.0-1.15x on low-rank inputs). Spectral norm (the worst
+    single direction, which can carry more than the average): ≤ 3x, measured ≤ 2.3x. Both
+    + 4 eps, for inputs that standard happens to round exactly."""
+    eps = torch.finfo(dtype).eps
+    gram_error, std_error = gram.double() - target, std.double() - target
+    frobenius_ok = bool(gram_error.norm() <= 2 * std_error.norm() + 4 * eps)
+    return frobenius_ok and spectral(gram_error) <= 3 * spectral(std_error) + 4 * eps
 
 
 @pytest.fixture(params=["whole", "split"])
@@ -139,64 +138,60 @@ def symmetric_products(request, monkeypatch):
     return request.param
 
 
+# Square, 1024x4096-like and 4096x14336-like scaled down (aspect 4 and 3.5), aspect 2, tall:
+# Gaussian where "auto" can pick gram (aspect >= 2), low-rank (gradient-like) at every shape.
+ACCURACY_CASES = [(s, "gaussian") for s in [(64, 128), (64, 256), (64, 224), (224, 64)]]
+ACCURACY_CASES += [(s, "low_rank") for s in [(96, 96), (64, 256), (64, 224), (224, 64)]]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("method", ["keller", "polar_express"])
-@pytest.mark.parametrize("kind", ["gaussian", "low_rank"])
-def test_gram_is_within_the_fp32_rounding_envelope(method, kind, symmetric_products):
-    """In fp32 both algorithms stay inside the same a priori rounding envelope around the float64
-    U f(S) Vᵀ (measured: 10x to 100x inside it), so their orthogonality errors and distances to
-    U Vᵀ agree to within the Lipschitz constants times twice the envelope."""
-    envelope = rounding_envelope(method, torch.float32)
-    for i, shape in enumerate(ACCURACY_SHAPES):
+def test_gram_is_as_accurate_as_standard(dtype, method, symmetric_products):
+    """Rounding error (distance to U f(S) Vᵀ, the float64 SVD with the same polynomial) like
+    standard's, hence the brief's measures (orthogonality, distance to U Vᵀ) as good up to it."""
+    for i, (shape, kind) in enumerate(ACCURACY_CASES):
         g = sample_matrix(shape, kind, 10 + i)
         polar, target = exact_targets(g, method)
-        std, gram = (orthogonalize(g, 5, method, algorithm=a) for a in ("standard", "gram"))
-        assert spectral(std.double() - target) <= envelope, shape
-        assert spectral(gram.double() - target) <= envelope, shape
-        metrics_within(gram, std, polar, 2 * envelope)
+        std, gram = (orthogonalize(g, 5, method, dtype, algorithm=a) for a in ("standard", "gram"))
+        assert gram.dtype == dtype and gram.shape == g.shape
+        assert rounds_like_standard(gram, std, target, dtype), (shape, kind)
+        metrics_within(gram, std, polar, spectral(gram.double() - target) + spectral(std.double() - target))
 
 
-# bf16: the a priori envelope is ~10 (vacuous), so gram is compared with standard's measured error,
-# where "auto" can pick gram (aspect >= 2: 64x128 and up) and on low-rank (gradient-like) inputs of any shape.
-BF16_CASES = [(s, "gaussian") for s in [(64, 128), *ACCURACY_SHAPES[1:]]] + [(s, "low_rank") for s in ACCURACY_SHAPES]
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_square_gaussian_is_the_documented_exception(dtype):
+    """A square Gaussian matrix has singular values down to ~0: in the last 3-step run Q spans
+    1 .. a³ while most directions have converged, and Q's rounding lands on those. Gram's rounding
+    error is then 6-15x standard's (docs/newton_schulz.md, Limitations). Asserted: worse but
+    bounded (≤ 20x), and "auto" never picks gram on square matrices."""
+    g = sample_matrix((96, 96), "gaussian", 10)
+    _, target = exact_targets(g, "keller")
+    std, gram = (orthogonalize(g, 5, "keller", dtype, algorithm=a) for a in ("standard", "gram"))
+    assert spectral(gram.double() - target) <= 20 * spectral(std.double() - target)
+    assert resolve_algorithm(96, 96, dtype, "cpu") == resolve_algorithm(4096, 4096, dtype, "cuda") == "standard"
 
 
-@pytest.mark.parametrize("method", ["keller", "polar_express"])
-def test_gram_is_as_accurate_as_standard_in_bf16(method, symmetric_products):
-    """Bound: gram's rounding error ≤ 2.5x standard's (+ 4 eps), standard's measured on the same
-    input, which carries its conditioning. Budget: for 5 steps gram rounds 20 products to
-    standard's 15, and its accumulated polynomial is rounded at the scale of its largest
-    eigenvalue (up to a³ over a 3-step run), not of the output; measured worst 2.2x (Polar
-    Express, Gaussian). Square Gaussian matrices are the exception (6-12x, docs/newton_schulz.md):
-    a continuum of tiny singular values keeps that range large in the last run."""
-    eps = torch.finfo(torch.bfloat16).eps
-    for i, (shape, kind) in enumerate(BF16_CASES):
-        g = sample_matrix(shape, kind, 10 + i)
-        polar, target = exact_targets(g, method)
-        std, gram = (orthogonalize(g, 5, method, torch.bfloat16, algorithm=a) for a in ("standard", "gram"))
-        assert gram.dtype == torch.bfloat16 and gram.shape == g.shape
-        rounding_std, rounding_gram = spectral(std.double() - target), spectral(gram.double() - target)
-        assert rounding_gram <= 2.5 * rounding_std + 4 * eps, (shape, kind, rounding_gram, rounding_std)
-        metrics_within(gram, std, polar, rounding_gram + rounding_std)
-
-
-def test_the_bf16_bound_catches_gram_without_restarts():
+def test_the_bound_catches_gram_without_restarts():
     """One 5-step run (no restart) lets bf16 rounding in the Gram matrix's small eigenvalues grow by
     a² per step; the bound above must reject it, or it proves nothing."""
     g = low_rank(64, 224, 0)
     _, target = exact_targets(g, "keller")
     unrestarted = gram_iterations((g / g.norm()).bfloat16(), coefficient_schedule("keller", 5), (5,))
-    standard = orthogonalize(g, 5, "keller", torch.bfloat16)
-    assert spectral(unrestarted.double() - target) > 2.5 * spectral(standard.double() - target) + 4 * torch.finfo(torch.bfloat16).eps
+    assert not rounds_like_standard(unrestarted, orthogonalize(g, 5, "keller", torch.bfloat16), target, torch.bfloat16)
 
 
 @pytest.mark.parametrize("shape", [(48, 160), (160, 48), (3, 40, 140), (2, 140, 40)])
 @pytest.mark.parametrize("method", ["keller", "polar_express", (2.0, -1.5, 0.5)])
-def test_gram_matches_standard_in_fp32(shape, method):
-    """Batches, tall and wide, every coefficient schedule: both lie within the rounding envelope of
-    the same U f(S) Vᵀ, so no entry differs by more than twice the envelope."""
+def test_gram_rounds_like_standard_on_batches_and_any_coefficients(shape, method):
+    """Batches, tall and wide, every coefficient schedule (fp32): each matrix as above."""
     g = torch.randn(*shape, generator=torch.Generator().manual_seed(5))
-    atol = 2 * rounding_envelope(method, torch.float32)
-    torch.testing.assert_close(orthogonalize(g, 5, method, algorithm="gram"), orthogonalize(g, 5, method), rtol=0, atol=atol)
+    std, gram = orthogonalize(g, 5, method), orthogonalize(g, 5, method, algorithm="gram")
+    assert gram.shape == g.shape
+    for k in range(g.size(0) if g.ndim == 3 else 1):
+        one = g[k] if g.ndim == 3 else g
+        _, target = exact_targets(one, method)
+        pick = (lambda t: t[k]) if g.ndim == 3 else (lambda t: t)
+        assert rounds_like_standard(pick(gram), pick(std), target, torch.float32), k
 
 
 @pytest.mark.parametrize("algorithm", NS_ALGORITHMS)
@@ -222,10 +217,10 @@ def test_flops_match_counted_matmuls(shape, steps):
 
 def test_gram_flop_ratios():
     """Without the split (m < SYMMETRIC_SPLIT_MIN): 8m²n + 28m³ vs 20m²n + 10m³ for 5 steps, equal at
-    n = 1.5m. With it the symmetric products cost 3/4: 7m²n + 21m³."""
+    n = 1.5m. With it all but Q X and the 3 products into Q cost 3/4: 7m²n + 22.5m³."""
     ratio = lambda m, n: newton_schulz_flops(m, n, 5, "gram") / newton_schulz_flops(m, n, 5)
     assert ratio(256, 256) == pytest.approx(36 / 30) and ratio(256, 384) == pytest.approx(1.0) and ratio(256, 1024) == pytest.approx(60 / 90)
-    assert ratio(1024, 1024) == pytest.approx(28 / 30) and ratio(1024, 3584) == pytest.approx((7 * 3.5 + 21) / 80)
+    assert ratio(1024, 1024) == pytest.approx(29.5 / 30) and ratio(1024, 3584) == pytest.approx((7 * 3.5 + 22.5) / 80)
     with pytest.raises(ValueError, match="resolved algorithm"):
         newton_schulz_flops(64, 64, 5, "auto")
 
@@ -251,7 +246,7 @@ def test_resolve_algorithm():
 
 
 def test_auto_runs_the_resolved_algorithm():
-    for shape in [(64, 256), (96, 96), (2, 256, 64)]:
+    for shape in [(128, 512), (96, 96), (2, 512, 128)]:
         g = torch.randn(*shape, generator=torch.Generator().manual_seed(6))
         chosen = resolve_algorithm(*shape[-2:], torch.float32, "cpu")
         assert torch.equal(orthogonalize(g, algorithm="auto"), orthogonalize(g, algorithm=chosen))

@@ -5,9 +5,15 @@ coefficients use one (a, b, c) for every step; Polar Express (Amsel et al., 2025
 different minimax-optimal tuple per step and reaches tighter singular values in the same
 number of matmuls.
 
+Two algorithms evaluate the same polynomial: "standard" iterates on X itself; "gram" iterates on
+the m×m Gram matrix X Xᵀ of the short side and applies the accumulated polynomial to X once per
+run of at most 3 steps (Dao AI Lab's Gram Newton–Schulz idea), fewer FLOPs when X is far from
+square. docs/newton_schulz.md has the FLOP counts, restarts, accuracy and timings.
+
 Inputs are a single matrix (m, n) or a batch (k, m, n) of equal shapes. Tall matrices are
 transposed so the Gram matrix X Xᵀ is the small side; results are returned in the input's
-orientation and in the compute dtype.
+orientation and in the compute dtype. Nothing reads tensor values on the host: it runs on any
+device, `meta` included.
 """
 
 from __future__ import annotations
@@ -34,11 +40,12 @@ NS_ALGORITHMS = ("standard", "gram", "auto")
 # Gram Newton–Schulz: the longest run of steps between restarts (gram_segments), and where
 # "auto" picks it (resolve_algorithm; measured in docs/newton_schulz.md).
 GRAM_MAX_RUN = 3
-GRAM_MIN_ASPECT = 2.0
-GRAM_MIN_SIDE = 64
+GRAM_MIN_ASPECT = 2.5
+GRAM_MIN_SIDE = 128
 # From this many rows on, a product known to be symmetric is computed as three half-size blocks
 # (upper triangle of a 2x2 block split) and mirrored: 3/4 of the multiply-adds (torch exposes no
-# SYRK/SYMM). Below it the extra launches and copies cost more than they save (measured).
+# SYRK/SYMM). Measured on CPU, whole NS: 0.91x the time at 512 rows, 0.93x at 384, a wash at 256;
+# below 512 the half-size GEMMs would also run further from peak on GPUs.
 SYMMETRIC_SPLIT_MIN = 512
 
 
@@ -60,11 +67,11 @@ def coefficient_schedule(method: str | tuple[float, float, float], steps: int) -
 def gram_segments(steps: int) -> tuple[int, ...]:
     """How Gram Newton–Schulz splits `steps` into runs that each start from a fresh Gram matrix.
 
-    A run of L steps updates its Gram matrix L − 1 times; each update multiplies the rounding
-    error of the smallest eigenvalues by about a², so runs stay at most 3 steps long (measured:
-    4-step runs lose up to 8x fp32 accuracy and blow up in bf16; docs/newton_schulz.md). Shorter
-    runs come first: the last run's accumulated polynomial has the widest range and its
-    rounding is not corrected by later steps.
+    A run of L steps updates its Gram matrix L − 1 times, and each update multiplies the rounding
+    error of its smallest eigenvalues by about a², so runs stay at most GRAM_MAX_RUN = 3 steps
+    long (4-step runs blow up in bf16). Shorter runs come first: Polar Express's first step has
+    a² = 66.5, and a 3-step first run (two updates after it) blew up on low-rank bf16 inputs.
+    Measured in docs/newton_schulz.md (Restarts).
     """
     count = -(-steps // GRAM_MAX_RUN)
     short, extra = divmod(steps, count) if count else (0, 0)
@@ -76,15 +83,15 @@ def newton_schulz_flops(rows: int, cols: int, steps: int, algorithm: str = "stan
 
     standard: 4m²n + 2m³ per step (X Xᵀ, its square, and the product with X).
     gram: per run of L steps, 4m²n (X Xᵀ, then Q X) plus 2m³·(4L − 3) (per step one square of the
-    Gram matrix, L − 1 products into Q, 2(L − 1) Gram updates); from SYMMETRIC_SPLIT_MIN rows on,
-    the symmetric products (all but Q X) cost 3/4 of that.
+    Gram matrix, L − 1 products into Q, 2(L − 1) halves of Gram updates); from SYMMETRIC_SPLIT_MIN
+    rows on, the symmetric ones (X Xᵀ, squares, Gram updates) cost 3/4 of that.
     """
     m, n = min(rows, cols), max(rows, cols)
     if algorithm == "standard":
         return steps * (4 * m * m * n + 2 * m * m * m)
     if algorithm == "gram":
         square, gram_matrix, apply = _symmetric_flops(m, m), _symmetric_flops(m, n), 2 * m * m * n
-        return sum(gram_matrix + apply + (4 * length - 3) * square for length in gram_segments(steps))
+        return sum(gram_matrix + apply + (3 * length - 2) * square + (length - 1) * 2 * m**3 for length in gram_segments(steps))
     raise ValueError(f"newton_schulz_flops needs a resolved algorithm ('standard' or 'gram'), got {algorithm!r}")
 
 
@@ -154,7 +161,10 @@ def gram_iterations(x: Tensor, schedule: list[tuple[float, float, float]], segme
     run's end, where the next run recomputes G = X Xᵀ from it (the restart). P itself is only
     formed once per run (Q = P at its first step); every other product with P is a·Y + B·Y in
     one addmm, so a bf16 P never rounds B away against the much larger a on its diagonal.
-    Every m×m product is a polynomial in G, hence symmetric: only its upper blocks are computed.
+    From SYMMETRIC_SPLIT_MIN rows on, the symmetric products (X Xᵀ, G², and the Gram update,
+    whose result is X Xᵀ of the next X) compute three of their four 2×2 blocks. Q ← P Q is not
+    split: P and Q commute only up to rounding, and mirroring one triangle of their product
+    breaks Q X = P (Q_prev X) (measured: 10x the rounding error on low-rank fp32 inputs).
     """
     start = 0
     for length in segments:
@@ -165,7 +175,7 @@ def gram_iterations(x: Tensor, schedule: list[tuple[float, float, float]], segme
             if accumulated is None:
                 accumulated = _plus_identity(poly.clone(), a)
             else:
-                accumulated = _symmetric_addmm(accumulated, poly, accumulated, beta=a)
+                accumulated = _addmm(accumulated, poly, accumulated, beta=a)
             if i + 1 < length:
                 half = _symmetric_addmm(gram, poly, gram, beta=a)
                 gram = _symmetric_addmm(half, poly, half, beta=a)
