@@ -5,9 +5,15 @@ coefficients use one (a, b, c) for every step; Polar Express (Amsel et al., 2025
 different minimax-optimal tuple per step and reaches tighter singular values in the same
 number of matmuls.
 
+Two algorithms evaluate the same polynomial: "standard" iterates on X itself; "gram" iterates on
+the m×m Gram matrix X Xᵀ of the short side and applies the accumulated polynomial to X once per
+run of at most 3 steps (Dao AI Lab's Gram Newton–Schulz idea), fewer FLOPs when X is far from
+square. docs/newton_schulz.md has the FLOP counts, restarts, accuracy and timings.
+
 Inputs are a single matrix (m, n) or a batch (k, m, n) of equal shapes. Tall matrices are
 transposed so the Gram matrix X Xᵀ is the small side; results are returned in the input's
-orientation and in the compute dtype.
+orientation and in the compute dtype. Nothing reads tensor values on the host: it runs on any
+device, `meta` included.
 """
 
 from __future__ import annotations
@@ -29,6 +35,18 @@ POLAR_EXPRESS_COEFFICIENTS = (
 POLAR_EXPRESS_SAFETY = 1.01
 
 NS_METHODS = ("keller", "polar_express")
+NS_ALGORITHMS = ("standard", "gram", "auto")
+
+# Gram Newton–Schulz: the longest run of steps between restarts (gram_segments), and where
+# "auto" picks it (resolve_algorithm; measured in docs/newton_schulz.md).
+GRAM_MAX_RUN = 3
+GRAM_MIN_ASPECT = 2.5
+GRAM_MIN_SIDE = 128
+# From this many rows on, a product known to be symmetric is computed as three half-size blocks
+# (upper triangle of a 2x2 block split) and mirrored: 3/4 of the multiply-adds (torch exposes no
+# SYRK/SYMM). Measured on CPU, whole NS: 0.91x the time at 512 rows, 0.93x at 384, a wash at 256;
+# below 512 the half-size GEMMs would also run further from peak on GPUs.
+SYMMETRIC_SPLIT_MIN = 512
 
 
 def coefficient_schedule(method: str | tuple[float, float, float], steps: int) -> list[tuple[float, float, float]]:
@@ -46,10 +64,124 @@ def coefficient_schedule(method: str | tuple[float, float, float], steps: int) -
     raise ValueError(f"unknown Newton-Schulz method {method!r}; expected one of {NS_METHODS}")
 
 
-def newton_schulz_flops(rows: int, cols: int, steps: int) -> int:
-    """Matmul FLOPs of `steps` iterations on one (rows, cols) matrix: 2·(2m²n + m³ ) per step, m = min side."""
+def gram_segments(steps: int) -> tuple[int, ...]:
+    """How Gram Newton–Schulz splits `steps` into runs that each start from a fresh Gram matrix.
+
+    A run of L steps updates its Gram matrix L − 1 times, and each update multiplies the rounding
+    error of its smallest eigenvalues by about a², so runs stay at most GRAM_MAX_RUN = 3 steps
+    long (4-step runs blow up in bf16). Shorter runs come first: Polar Express's first step has
+    a² = 66.5, and a 3-step first run (two updates after it) blew up on low-rank bf16 inputs.
+    Measured in docs/newton_schulz.md (Restarts).
+    """
+    count = -(-steps // GRAM_MAX_RUN)
+    short, extra = divmod(steps, count) if count else (0, 0)
+    return (short,) * (count - extra) + (short + 1,) * extra
+
+
+def newton_schulz_flops(rows: int, cols: int, steps: int, algorithm: str = "standard") -> int:
+    """Matmul FLOPs of `steps` iterations on one (rows, cols) matrix, m = min side, n = max side.
+
+    standard: 4m²n + 2m³ per step (X Xᵀ, its square, and the product with X).
+    gram: per run of L steps, 4m²n (X Xᵀ, then Q X) plus 2m³·(4L − 3) (per step one square of the
+    Gram matrix, L − 1 products into Q, 2(L − 1) halves of Gram updates); from SYMMETRIC_SPLIT_MIN
+    rows on, the symmetric ones (X Xᵀ, squares, Gram updates) cost 3/4 of that.
+    """
     m, n = min(rows, cols), max(rows, cols)
-    return steps * (4 * m * m * n + 2 * m * m * m)
+    if algorithm == "standard":
+        return steps * (4 * m * m * n + 2 * m * m * m)
+    if algorithm == "gram":
+        square, gram_matrix, apply = _symmetric_flops(m, m), _symmetric_flops(m, n), 2 * m * m * n
+        return sum(gram_matrix + apply + (3 * length - 2) * square + (length - 1) * 2 * m**3 for length in gram_segments(steps))
+    raise ValueError(f"newton_schulz_flops needs a resolved algorithm ('standard' or 'gram'), got {algorithm!r}")
+
+
+def resolve_algorithm(rows: int, cols: int, dtype: torch.dtype, device_type: str) -> str:
+    """What algorithm="auto" runs on a (rows, cols) matrix: "gram" where it is both faster and as
+    accurate, which is a matter of shape: the long side at least GRAM_MIN_ASPECT times the short
+    one, and the short side at least GRAM_MIN_SIDE (docs/newton_schulz.md). Measured on CPU in
+    fp32 and bf16 with the same crossover; on GPUs FLOP counts predict the same one. dtype and
+    device_type let a device-specific rule be added without changing callers.
+    """
+    short, long = min(rows, cols), max(rows, cols)
+    return "gram" if short >= GRAM_MIN_SIDE and long >= GRAM_MIN_ASPECT * short else "standard"
+
+
+def _addmm(bias: Tensor, m1: Tensor, m2: Tensor, beta: float = 1.0, alpha: float = 1.0) -> Tensor:
+    if bias.ndim == 3:
+        return torch.baddbmm(bias, m1, m2, beta=beta, alpha=alpha)
+    return torch.addmm(bias, m1, m2, beta=beta, alpha=alpha)
+
+
+def _symmetric_addmm(bias: Tensor | None, m1: Tensor, m2: Tensor, beta: float = 1.0, alpha: float = 1.0) -> Tensor:
+    """beta·bias + alpha·(m1 @ m2), or m1 @ m2 without bias, for a product known to be symmetric."""
+    size = m1.size(-2)
+    if size < SYMMETRIC_SPLIT_MIN:
+        return m1 @ m2 if bias is None else _addmm(bias, m1, m2, beta, alpha)
+    h = size // 2
+
+    def block(rows: slice, cols: slice) -> Tensor:
+        a, b = m1[..., rows, :], m2[..., :, cols]
+        return a @ b if bias is None else _addmm(bias[..., rows, cols], a, b, beta, alpha)
+
+    top, bottom = slice(None, h), slice(h, None)
+    upper = block(top, bottom)
+    return torch.cat([torch.cat([block(top, top), upper], -1), torch.cat([upper.mT, block(bottom, bottom)], -1)], -2)
+
+
+def _symmetric_flops(rows: int, inner: int) -> int:
+    """FLOPs of _symmetric_addmm for a (rows, inner) @ (inner, rows) product."""
+    if rows < SYMMETRIC_SPLIT_MIN:
+        return 2 * rows * rows * inner
+    h, rest = rows // 2, rows - rows // 2
+    return 2 * inner * (h * h + h * rest + rest * rest)
+
+
+def _plus_identity(matrix: Tensor, scale: float) -> Tensor:
+    """matrix + scale·I in place, rounded once: on CPU, bf16 + a Python float first rounds the float
+    to bf16 (3.4445 -> 3.4375), a systematic error in the polynomial's constant term."""
+    diagonal = matrix.diagonal(dim1=-2, dim2=-1)
+    diagonal.copy_(diagonal.to(torch.promote_types(matrix.dtype, torch.float32)) + scale)
+    return matrix
+
+
+def standard_iterations(x: Tensor, schedule: list[tuple[float, float, float]]) -> Tensor:
+    """X ← a·X + (b·G + c·G²)·X with G = X Xᵀ, once per (a, b, c); x is wide (rows ≤ cols)."""
+    for a, b, c in schedule:
+        gram = x @ x.mT
+        poly = _addmm(gram, gram, gram, beta=b, alpha=c)
+        x = _addmm(x, poly, x, beta=a)
+    return x
+
+
+def gram_iterations(x: Tensor, schedule: list[tuple[float, float, float]], segments: tuple[int, ...]) -> Tensor:
+    """The same polynomial as standard_iterations, iterated on the small m×m Gram matrix.
+
+    With P = a·I + B, B = b·G + c·G², one step is X ← P X and G ← P G P (P commutes with G).
+    Within a run X stays put: Q ← P Q accumulates the steps and X ← Q X is applied once at the
+    run's end, where the next run recomputes G = X Xᵀ from it (the restart). P itself is only
+    formed once per run (Q = P at its first step); every other product with P is a·Y + B·Y in
+    one addmm, so a bf16 P never rounds B away against the much larger a on its diagonal.
+    From SYMMETRIC_SPLIT_MIN rows on, the symmetric products (X Xᵀ, G², and the Gram update,
+    whose result is X Xᵀ of the next X) compute three of their four 2×2 blocks. Q ← P Q is not
+    split: P and Q commute only up to rounding, and mirroring one triangle of their product
+    breaks Q X = P (Q_prev X) (measured: 10x the rounding error on low-rank fp32 inputs).
+    """
+    start = 0
+    for length in segments:
+        gram = _symmetric_addmm(None, x, x.mT)
+        accumulated = None
+        for i, (a, b, c) in enumerate(schedule[start : start + length]):
+            poly = _symmetric_addmm(gram, gram, gram, beta=b, alpha=c)
+            if accumulated is None:
+                accumulated = _plus_identity(poly.clone(), a)
+            else:
+                accumulated = _addmm(accumulated, poly, accumulated, beta=a)
+            if i + 1 < length:
+                half = _symmetric_addmm(gram, poly, gram, beta=a)
+                gram = _symmetric_addmm(half, poly, half, beta=a)
+        x = accumulated @ x
+        start += length
+    return x
 
 
 def orthogonalize(
@@ -58,14 +190,23 @@ def orthogonalize(
     method: str | tuple[float, float, float] = "keller",
     dtype: torch.dtype = torch.float32,
     eps: float = 1e-7,
+    algorithm: str = "standard",
 ) -> Tensor:
-    """Approximate U Vᵀ of the SVD U S Vᵀ of `matrix` (or of each matrix of a batch)."""
+    """Approximate U Vᵀ of the SVD U S Vᵀ of `matrix` (or of each matrix of a batch).
+
+    algorithm: "standard", "gram" (same polynomial, iterated on the Gram matrix of the short
+    side: fewer FLOPs on rectangular matrices), or "auto" (resolve_algorithm).
+    """
     if matrix.ndim not in (2, 3):
         raise ValueError(f"orthogonalize expects a matrix or a batch of matrices, got shape {tuple(matrix.shape)}")
+    if algorithm not in NS_ALGORITHMS:
+        raise ValueError(f"unknown Newton-Schulz algorithm {algorithm!r}; expected one of {NS_ALGORITHMS}")
+    if algorithm == "auto":
+        algorithm = resolve_algorithm(matrix.size(-2), matrix.size(-1), dtype, matrix.device.type)
     if matrix.ndim == 3 and matrix.device.type == "cpu":
         # CPU BLAS runs one GEMM at a time either way; 2-D addmm beats baddbmm by ~8 % (measured,
         # fp32, 1024-2816 sides). Batching pays on GPUs, where it saves kernel launches.
-        return torch.stack([orthogonalize(m, steps, method, dtype, eps) for m in matrix])
+        return torch.stack([orthogonalize(m, steps, method, dtype, eps, algorithm) for m in matrix])
     x = matrix.to(dtype)
     tall = x.size(-2) > x.size(-1)
     if tall:
@@ -75,8 +216,9 @@ def orthogonalize(
     if method == "polar_express":
         norm = norm * POLAR_EXPRESS_SAFETY
     x = x / norm.clamp(min=eps)
-    for a, b, c in coefficient_schedule(method, steps):
-        gram = x @ x.mT
-        poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c) if x.ndim == 3 else torch.addmm(gram, gram, gram, beta=b, alpha=c)
-        x = torch.baddbmm(x, poly, x, beta=a) if x.ndim == 3 else torch.addmm(x, poly, x, beta=a)
+    schedule = coefficient_schedule(method, steps)
+    if algorithm == "gram":
+        x = gram_iterations(x, schedule, gram_segments(steps))
+    else:
+        x = standard_iterations(x, schedule)
     return x.mT if tall else x
