@@ -2,6 +2,11 @@
 
 A hang must fail the test, never block CI: the parent waits at most `timeout` seconds,
 then kills every rank and raises. Exceptions on any rank come back with their traceback.
+
+Every rank, like the pytest process (tests/conftest.py), applies the suite's settings:
+TITAN_MUON_TEST_THREADS=N (intra-op threads per process, default 1) and
+TITAN_MUON_TEST_DETERMINISTIC=1 (torch.use_deterministic_algorithms(True)); torchrun
+launches of the trainer get both through trainer_flags() and OMP_NUM_THREADS.
 """
 
 from __future__ import annotations
@@ -18,6 +23,35 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+THREADS_VARIABLE, DETERMINISTIC_VARIABLE = "TITAN_MUON_TEST_THREADS", "TITAN_MUON_TEST_DETERMINISTIC"
+
+
+def threads_per_process() -> int:
+    value = os.environ.get(THREADS_VARIABLE, "1")
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"{THREADS_VARIABLE} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def deterministic_mode() -> bool:
+    value = os.environ.get(DETERMINISTIC_VARIABLE, "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"{DETERMINISTIC_VARIABLE} must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
+def apply_test_settings() -> None:
+    """The suite's thread count and determinism mode, for this process."""
+    torch.set_num_threads(threads_per_process())
+    if deterministic_mode():
+        torch.use_deterministic_algorithms(True)
+
+
+def trainer_flags() -> list[str]:
+    """The same determinism mode for titan_muon.train under torchrun (torchtitan's own switch);
+    the thread count reaches its workers through OMP_NUM_THREADS (tests/conftest.py)."""
+    return ["--debug.deterministic"] if deterministic_mode() else []
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -27,7 +61,7 @@ def _free_port() -> int:
 
 def _entry(rank: int, world_size: int, port: int, fn, args, out_dir: str, timeout: float) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
-    torch.set_num_threads(1)
+    apply_test_settings()
     # If this rank is still running shortly before the parent gives up, leave its stack behind.
     stacks = open(Path(out_dir, f"stack{rank}.txt"), "w")
     faulthandler.dump_traceback_later(max(1.0, timeout - 5), file=stacks)

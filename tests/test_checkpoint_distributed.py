@@ -7,7 +7,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
 from distributed import run_distributed
-from test_optimizer_distributed import _distributed_params, _optimizer, _set_grads
+from test_optimizer_distributed import _distributed_params, _optimizer, _set_grads, check_equal_to_one_process
 
 SAVED_STEPS = 3
 
@@ -50,15 +50,15 @@ def saved(tmp_path_factory):
 @pytest.mark.parametrize("world", [1, 3, 4])
 def test_reshard_and_resume_matches(saved, world):
     checkpoint, expected = saved
-    for result in run_distributed(_load_and_step, world, checkpoint):
-        for name, tensor in expected.items():
-            assert (result[name] - tensor).abs().max().item() <= 1e-5, (world, name)
+    for rank, result in enumerate(run_distributed(_load_and_step, world, checkpoint)):
+        # Every run is given the same gradients: only rounding may differ, as between W ranks
+        # and one process (4 steps in all).
+        check_equal_to_one_process(result, expected, SAVED_STEPS + 1, f"W={world} rank {rank}")
 
 
 def test_fp8_momentum_reshards_2_to_3(tmp_path):
     """fp8 codes and scales follow rows, so a 2 -> 3 reshard (torchao's block layout fails it) is exact."""
     checkpoint, fp8 = str(tmp_path / "fp8"), {"momentum_dtype": "fp8"}
     expected = run_distributed(_save, 2, checkpoint, fp8)[0]
-    for result in run_distributed(_load_and_step, 3, checkpoint, fp8):
-        for name, tensor in expected.items():
-            assert (result[name] - tensor).abs().max().item() <= 1e-5, name
+    for rank, result in enumerate(run_distributed(_load_and_step, 3, checkpoint, fp8)):
+        check_equal_to_one_process(result, expected, SAVED_STEPS + 1, f"rank {rank}")

@@ -67,6 +67,8 @@ def reference_logits(q, k, v, kwargs, out):
     logits = torch.einsum("bhid,bhjd->bhij", q.double(), k) * scale
     allowed = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool).tril()
     logits = logits.masked_fill(~allowed, -math.inf)
+    # The module runs in fp32, this in fp64 from its own q, k, v: logits up to ~40 carry fp32
+    # rounding of ~40·2^-24 ≈ 2.4e-6, which softmax turns into relative errors of that size.
     torch.testing.assert_close(torch.softmax(logits, dim=-1) @ v, out.double(), atol=1e-5, rtol=1e-4)
     return logits
 
@@ -117,6 +119,7 @@ def test_recorded_max_equals_brute_force(kind, block_bytes):
             model(tokens(micro_batch))
         maxima.append(capture.head_max())
     expected = torch.maximum(*maxima).float()
+    # fp32 dot products of a head's q and k (<= 12 terms, logits up to ~40) vs fp64: ~1e-6.
     torch.testing.assert_close(recorder.max_logits, expected, atol=1e-5, rtol=1e-5)
 
     model.eval()  # validation forwards do not count
@@ -138,7 +141,7 @@ def test_block_max_with_a_document_mask_and_gqa():
     b, i, j = torch.meshgrid(torch.arange(2), torch.arange(10), torch.arange(10), indexing="ij")
     allowed = document_causal(b, None, i, j)[:, None]
     expected = full.masked_fill(~allowed, -math.inf).amax(dim=(0, 2, 3))
-    torch.testing.assert_close(got, expected)
+    torch.testing.assert_close(got, expected)  # fp32 dot products of 4 terms either way (maybe summed in another order)
 
 
 @pytest.mark.parametrize("rows_per_block", [1, 5, 12])  # 5: blocks of 5, 5 and 2 query rows
@@ -159,13 +162,14 @@ def test_max_logit_is_signed():
     got = block_max_logits(x, -x, 0.5, block_bytes=7 * 4)  # every logit negative
     expected = (-0.5 * x @ x.transpose(-1, -2)).masked_fill(torch.ones(6, 6, dtype=torch.bool).triu(1), -math.inf)
     assert (got < 0).all()
-    torch.testing.assert_close(got, expected.amax(dim=(0, 2, 3)))
+    torch.testing.assert_close(got, expected.amax(dim=(0, 2, 3)))  # fp32 dot products of 4 terms either way
 
 
 def test_recording_needs_no_full_logit_matrix():
     q, k = torch.randn(2, 4, 256, 8), torch.randn(2, 4, 256, 8)
     expected = block_max_logits(q, k, block_bytes=1 << 32)
-    torch.testing.assert_close(block_max_logits(q, k, block_bytes=2 * 4 * 256 * 16 * 4), expected)  # 16 query rows a block
+    # 16 query rows a block; the same fp32 dot products of 8 terms, maybe blocked otherwise by the GEMM
+    torch.testing.assert_close(block_max_logits(q, k, block_bytes=2 * 4 * 256 * 16 * 4), expected)
 
 
 # ---------------------------------------------------------------- clipping
@@ -195,7 +199,13 @@ def tau_between(s, boosted):
 
 
 def check_clipped_logits(before, after, s, tau, clipped):
-    """Clipped heads: every logit times tau / S, so all <= tau. Others: unchanged."""
+    """Clipped heads: every logit times tau / S, so all <= tau. Others: unchanged.
+
+    Clipped: the rescaled weights are rounded once (2^-24) and the logits recomputed from them
+    in fp32 (logits up to ~40, rounding ~1e-7 relative): 1e-5. Unclipped: their weight rows are
+    untouched and a GEMM's output entry depends only on its own row and column, so the same
+    inputs give the same logits (1e-6 relative leaves room for a library that blocks otherwise).
+    """
     for i in before:
         for h in range(s.shape[1]):
             if clipped[i, h]:
@@ -221,7 +231,7 @@ def test_clip_bounds_clipped_heads_and_keeps_the_others(kind):
     before, s = capture.rerun_layers(), capture.head_max()
     metrics = qk_clip.reduce_and_clip(lr=1.0)
     assert metrics["qk_clip/heads_clipped"] == int(boosted.sum())
-    assert metrics["qk_clip/max_logit"] == pytest.approx(s.max().item(), rel=1e-5)
+    assert metrics["qk_clip/max_logit"] == pytest.approx(s.max().item(), rel=1e-5)  # fp32 recording vs fp64 reference
     check_clipped_logits(before, capture.rerun_layers(), s, tau, boosted)
 
     changed = {n for n, p in model.named_parameters() if not torch.equal(p, before_weights[n])}
@@ -245,6 +255,7 @@ def test_mha_rule_splits_gamma_by_alpha(alpha):
     wq, wk = attention.wq.weight.detach().clone(), attention.wk.weight.detach().clone()
     apply_qk_clip(find_attention_layers(model), torch.tensor([[8.0, 1.0]]), tau=2.0, alpha=alpha)
     gamma = 2.0 / 8.0
+    # one fp32 multiplication by a factor computed in another order: default fp32 tolerance
     torch.testing.assert_close(attention.wq.weight[:4], wq[:4] * gamma**alpha)
     torch.testing.assert_close(attention.wk.weight[:4], wk[:4] * gamma ** (1 - alpha))
     assert torch.equal(attention.wq.weight[4:], wq[4:]) and torch.equal(attention.wk.weight[4:], wk[4:])

@@ -23,6 +23,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torchtitan.config import Checkpoint as CheckpointConfig
 
+from distributed import trainer_flags
 from titan_muon.torchtitan.checkpoint import CheckpointError, check_before_resume
 from titan_muon.torchtitan.launch import (
     REPO_ROOT, child_pids, finish, is_running, read_losses, start, stop, torchrun_command, wait_for_log,
@@ -46,7 +47,7 @@ def tiny(workdir: Path, dump: str, *extra: str) -> list[str]:
         "--training.steps", str(STEPS), "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1",
         "--metrics.disable_color_printing", "--model.hf_assets_path", str(workdir / "tokenizer"),
         "--job.dump_folder", str(workdir / dump), "--checkpoint.enable", "--checkpoint.interval", str(INTERVAL),
-        "--checkpoint.no-last-save-model-only", *extra,
+        "--checkpoint.no-last-save-model-only", *trainer_flags(), *extra,
     ]  # fmt: skip
 
 

@@ -8,7 +8,7 @@ from torch import nn
 
 from distributed import run_distributed
 from reference import reference_ns
-from test_optimizer_distributed import SHAPES, _dtensor_run, _one_process
+from test_optimizer_distributed import _dtensor_run, _one_process, check_equal_to_one_process
 from titan_muon import Muon
 from titan_muon.split import match_row_blocks, row_block_ranges
 
@@ -27,6 +27,7 @@ def test_split_equals_newton_schulz_per_block():
     for start, end in row_block_ranges(24, (6, 2)):
         rows = end - start
         expected[start:end] -= 0.1 * math.sqrt(max(1, rows / 40)) * reference_ns(grad[start:end])
+    # Fused vs term-by-term NS (test_newton_schulz): rounding of an update of size <= 0.12.
     torch.testing.assert_close(w.detach(), expected, rtol=1e-5, atol=1e-6)
     # And it is not the whole-matrix update.
     whole = w0 - 0.1 * reference_ns(grad)
@@ -60,9 +61,8 @@ def test_split_distributed_equals_one_process_with_heads_straddling_shards():
     results = run_distributed(_dtensor_run, world, (world,), 3, {"row_blocks": ROW_BLOCKS})
     expected = _one_process(3, row_blocks=ROW_BLOCKS)
     unsplit = _one_process(3)
-    for result in results:
-        for name in SHAPES:
-            assert (result["params"][name] - expected[name]).abs().max().item() <= 1e-5, name
+    for rank, result in enumerate(results):
+        check_equal_to_one_process(result["params"], expected, 3, f"rank {rank}")
     assert (expected["a"] - unsplit["a"]).abs().max() > 1e-4
 
 

@@ -1,4 +1,10 @@
-"""Momentum storage on Shard(0) DTensors: W ranks == one process bit for bit; DCP 2 -> 1, 3, 4 ranks."""
+"""Momentum storage on Shard(0) DTensors: W ranks == one process bit for bit; DCP 2 -> 1, 3, 4 ranks.
+
+Bit for bit is the right test here: every stored value is a function of its own element only
+(lerp, exactly rounded IEEE operations, block maxima, powers of two, integer-hash noise), so no
+sum runs in a layout-dependent order. (Checked on AVX2 and ATEN_CPU_CAPABILITY=default, whose
+scalar and vectorized kernels must agree for this to hold; docs/reliability.md.)
+"""
 
 import copy
 

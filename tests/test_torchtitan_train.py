@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer
 
+from distributed import trainer_flags
 from titan_muon.torchtitan.launch import (
     REPO_ROOT, finish, log_tail, read_losses, read_scalars, run_training, start, stop, torchrun_command,
 )  # fmt: skip
@@ -36,7 +37,7 @@ def tiny(workdir: Path, dump: str, *extra: str) -> list[str]:
         "--model.flavor", "tiny_gqa", "--training.seq_len", "64", "--training.local_batch_size", "2",
         "--training.steps", str(STEPS), "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1",
         "--metrics.disable_color_printing", "--model.hf_assets_path", str(workdir / "tokenizer"),
-        "--job.dump_folder", str(workdir / dump), *extra,
+        "--job.dump_folder", str(workdir / dump), *trainer_flags(), *extra,
     ]  # fmt: skip
 
 
@@ -109,7 +110,10 @@ def test_reshard_from_2_ranks(one_sequence_reference, workdir, nproc):
     run_training_with_timeout(MUON, overrides, nproc=nproc)
     expected, resumed = read_losses(str(reference)), read_losses(str(workdir / dump))
     assert sorted(resumed) == list(range(RESUME_STEP + 1, STEPS + 1))
-    for step, loss in resumed.items():  # only the order of gradient sums differs
+    # Only the order of gradient sums differs (~1e-7 relative). AdamW may turn that into a
+    # large change of an update only where v is near zero, i.e. where the gradient and hence
+    # the loss's dependence on that weight are near zero: losses of ~8 agree to ~1e-6.
+    for step, loss in resumed.items():
         assert loss == pytest.approx(expected[step], rel=1e-5, abs=1e-5), step
 
 
@@ -142,9 +146,10 @@ def test_two_nodes_match_one_node(reference, workdir):
     """Two launches with --nnodes 2 and one rank each, rendezvous over c10d on 127.0.0.1."""
     rdzv = ["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", "t"]
     command = torchrun_command(MUON, tiny(workdir, "two_nodes"), nproc=1, rdzv=rdzv)
-    # torchrun sets OMP_NUM_THREADS=1 only with several ranks per node; the one-node run
-    # had it, and a different thread count changes the order of float sums in the kernels.
-    nodes = [start(command, env={"OMP_NUM_THREADS": "1"}) for _ in range(2)]
+    # Bit for bit: the same ranks, layouts and thread counts (torchrun would set OMP_NUM_THREADS=1
+    # only with several ranks per node; tests/conftest.py sets it for every launch), and a run is
+    # deterministic (docs/reliability.md, "Portability").
+    nodes = [start(command) for _ in range(2)]
     try:
         results = [finish(node, timeout=RUN_TIMEOUT) for node in nodes]
     finally:
