@@ -8,9 +8,11 @@ gives the median over rounds and the ratio to bf16 (goal: fp8 <= 1.5x bf16). One
 load is what the optimizer does per Muon matrix per step: ``store(state, m)`` then
 ``load(state)`` (a fresh fp32 tensor; for fp32 the buffer itself).
 
-It also times the stochastic-rounding noise alone, in ns per element, against the previous
-implementation (a seeded CPU torch.Generator per 64 K elements), which is loaded from git
-revision --baseline (on --baseline-rows rows, as it is slow).
+It also times the stochastic-rounding noise alone, in ns per element, and compares with the
+previous implementation (noise from a seeded CPU torch.Generator per 64 K elements, Python
+loops per column block), loaded from git revision --baseline and run on --baseline-rows
+rows, as it is slow. Large CPU allocations pay page faults; set THP_MEM_ALLOC_ENABLE=1 to
+let torch's CPU allocator use transparent huge pages (the header says which).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib.util
+import os
 import platform
 import statistics
 import subprocess
@@ -90,18 +93,22 @@ def load_baseline(revision: str):
     return module
 
 
-def time_noise(rows: int, cols: int, baseline_rows: int, revision: str, repeats: int) -> tuple[float, float | None]:
-    """ns per element: the hash noise on (rows, cols), the baseline's generator on (baseline_rows, cols)."""
+def time_baseline(rows: int, cols: int, baseline_rows: int, revision: str, repeats: int) -> dict[str, float]:
+    """ns per element: the hash noise on (rows, cols); the baseline's generator noise and its fp8
+    store + load on (baseline_rows, cols)."""
     step = torch.tensor(1)
-    new = statistics.median(seconds(lambda: rounding_noise(step, 0, 0, (rows, cols), 20, "cpu")) for _ in range(repeats))
+    out = {"noise": statistics.median(seconds(lambda: rounding_noise(step, 0, 0, (rows, cols), 20, "cpu")) for _ in range(repeats)) / (rows * cols)}
     try:
         baseline = load_baseline(revision)
     except (subprocess.CalledProcessError, FileNotFoundError) as error:
         print(f"(no baseline: {error})")
-        return 1e9 * new / (rows * cols), None
+        return {name: 1e9 * t for name, t in out.items()}
     like = torch.empty(baseline_rows, cols, dtype=torch.uint8)
-    old = statistics.median(seconds(lambda: baseline._noise(1, 0, like, 20)) for _ in range(max(1, repeats // 2)))
-    return 1e9 * new / (rows * cols), 1e9 * old / (baseline_rows * cols)
+    out["baseline noise"] = statistics.median(seconds(lambda: baseline._noise(1, 0, like, 20)) for _ in range(repeats)) / like.numel()
+    storage = baseline.momentum_storage("fp8")
+    run = store_and_load(storage, storage.create(torch.zeros(baseline_rows, cols)), torch.randn(baseline_rows, cols))
+    out["baseline fp8"] = statistics.median(seconds(run) for _ in range(repeats)) / like.numel()
+    return {name: 1e9 * t for name, t in out.items()}
 
 
 def main() -> None:
@@ -114,7 +121,8 @@ def main() -> None:
     args = parser.parse_args()
 
     print(f"Command: python scripts/bench_momentum_storage.py {' '.join(sys.argv[1:])}".strip())
-    print(f"{cpu_model()}, {torch.get_num_threads()} threads, torch {torch.__version__}, {datetime.date.today()}")
+    huge_pages = os.environ.get("THP_MEM_ALLOC_ENABLE", "0")
+    print(f"{cpu_model()}, {torch.get_num_threads()} threads, torch {torch.__version__}, THP_MEM_ALLOC_ENABLE={huge_pages}, {datetime.date.today()}")
     print(f"shard {args.rows} x {args.cols} fp32 ({args.rows * args.cols * 4 / 2**20:.0f} MiB), median of {args.repeats} rounds\n")
 
     medians = time_storages(args.rows, args.cols, args.repeats)
@@ -123,13 +131,14 @@ def main() -> None:
     for name, t in medians.items():
         print(f"| {name} | {t:.3f} | {t / medians['bf16']:.2f}x | {1e9 * t / (args.rows * args.cols):.1f} |")
 
-    new, old = time_noise(args.rows, args.cols, args.baseline_rows, args.baseline, args.repeats)
-    print(f"\nstochastic-rounding noise alone: hash {new:.2f} ns/element", end="")
-    if old is not None:
-        print(f"; generator at {args.baseline} {old:.2f} ns/element ({args.baseline_rows} rows): {old / new:.0f}x")
-    else:
-        print()
-
+    ns = time_baseline(args.rows, args.cols, args.baseline_rows, args.baseline, args.repeats)
+    print(f"\nstochastic-rounding noise alone: hash {ns['noise']:.2f} ns/element")
+    if "baseline noise" in ns:
+        print(
+            f"at {args.baseline} ({args.baseline_rows} x {args.cols}): generator noise {ns['baseline noise']:.2f} ns/element "
+            f"({ns['baseline noise'] / ns['noise']:.1f}x the hash), fp8 store + load {ns['baseline fp8']:.1f} ns/element "
+            f"({ns['baseline fp8'] / (1e9 * medians['fp8'] / (args.rows * args.cols)):.1f}x now)"
+        )
 
 if __name__ == "__main__":
     main()

@@ -198,19 +198,20 @@ class Fp8Storage(MomentumStorage):
         first_row = _first_row(codes, first_row)
         state["step"] += 1
         exps = scale_exponents(momentum, self.block_cols)
+        inverse_scales = [pow2(-e).unsqueeze(-1) for e in _split_like(exps, momentum, self.block_cols)]
         if self.rounding == "stochastic":
             # fp32 has 23 mantissa bits, e4m3 has 3: round the 20 dropped bits stochastically.
             # Done before scaling, which is exact and moves only the exponent: the result is
             # then exact in e4m3 (except for its subnormals, which round to nearest in the cast).
             noise = rounding_noise(state["step"], stream, first_row, momentum.shape, 20, momentum.device)
             scaled = stochastic_round_(noise, momentum, 20).view(torch.float32)
-            for part, e in zip(column_blocks(scaled, self.block_cols), _split_like(exps, scaled, self.block_cols)):
-                part.mul_(pow2(-e).unsqueeze(-1))
+            for part, inverse in zip(column_blocks(scaled, self.block_cols), inverse_scales):
+                part.mul_(inverse)
         else:
             scaled = torch.empty_like(momentum)
-            blocks = zip(column_blocks(momentum, self.block_cols), column_blocks(scaled, self.block_cols), _split_like(exps, scaled, self.block_cols))
-            for src, dst, e in blocks:
-                torch.mul(src, pow2(-e).unsqueeze(-1), out=dst)
+            sources, targets = column_blocks(momentum, self.block_cols), column_blocks(scaled, self.block_cols)
+            for src, dst, inverse in zip(sources, targets, inverse_scales):
+                torch.mul(src, inverse, out=dst)
         local_shard(codes).view(FP8).copy_(scaled)
         local_shard(exps_state).copy_(exps)
 
@@ -281,7 +282,8 @@ def pow2(e: Tensor) -> Tensor:
 
 
 def stochastic_round_(noise: Tensor, x: Tensor, bits: int) -> Tensor:
-    """In place on ``noise`` (int32 in [0, 2**bits)): the bits of fp32 ``x`` with the low ``bits`` mantissa bits rounded away stochastically.
+    """In place on ``noise`` (int32 in [0, 2**bits)): fp32 ``x``'s bits with the low ``bits``
+    mantissa bits rounded away stochastically.
 
     Adding uniform noise to the magnitude bits and truncating rounds up with probability
     equal to the dropped fraction, for either sign; a carry into the exponent is the correct
