@@ -304,9 +304,10 @@ def rounding_noise(step: Tensor | int, stream: int, first_row: int, shape: tuple
     """
     rows, cols = shape
     seed = _hash32(torch.as_tensor(step).to(torch.int32) ^ _i32(lowbias32(stream & U32)))
-    row_key = _hash32(torch.arange(first_row, first_row + rows, dtype=torch.int32, device=device) ^ seed)
     # COLUMN_SALT has bit 31 set and indices are < 2**31: a row and a column never hash the same input
-    col_key = _hash32(torch.arange(cols, dtype=torch.int32, device=device) ^ (seed ^ COLUMN_SALT))
+    row_index = torch.arange(first_row, first_row + rows, dtype=torch.int32, device=device)
+    col_index = torch.arange(cols, dtype=torch.int32, device=device)
+    row_key, col_key = _hash32(torch.cat([row_index, col_index ^ COLUMN_SALT]) ^ seed).split([rows, cols])
     x = torch.bitwise_xor(row_key.unsqueeze(1), col_key)  # (rows, cols)
     x.mul_(MIX_A)
     _fold_high_half_(x)
