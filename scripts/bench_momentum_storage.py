@@ -8,10 +8,10 @@ gives the median over rounds and the ratio to bf16 (goal: fp8 <= 1.5x bf16). One
 load is what the optimizer does per Muon matrix per step: ``store(state, m)`` then
 ``load(state)`` (a fresh fp32 tensor; for fp32 the buffer itself).
 
-It also times the stochastic-rounding noise alone, in ns per element, and compares with the
-previous implementation (noise from a seeded CPU torch.Generator per 64 K elements, Python
-loops per column block), loaded from git revision --baseline and run on --baseline-rows
-rows, as it is slow. Large CPU allocations pay page faults; set THP_MEM_ALLOC_ENABLE=1 to
+It also times the stochastic-rounding noise alone and fp8 store + load, in ns per element,
+side by side with the previous implementation (noise from a seeded CPU torch.Generator per
+64 K elements, Python loops per column block), loaded from git revision --baseline, on a
+--baseline-rows slice of the shard (the old code is slow). Large CPU allocations pay page faults; set THP_MEM_ALLOC_ENABLE=1 to
 let torch's CPU allocator use transparent huge pages (the header says which).
 """
 
@@ -93,22 +93,28 @@ def load_baseline(revision: str):
     return module
 
 
-def time_baseline(rows: int, cols: int, baseline_rows: int, revision: str, repeats: int) -> dict[str, float]:
-    """ns per element: the hash noise on (rows, cols); the baseline's generator noise and its fp8
-    store + load on (baseline_rows, cols)."""
-    step = torch.tensor(1)
-    out = {"noise": statistics.median(seconds(lambda: rounding_noise(step, 0, 0, (rows, cols), 20, "cpu")) for _ in range(repeats)) / (rows * cols)}
+def time_against_baseline(rows: int, cols: int, revision: str, repeats: int) -> dict[str, float] | None:
+    """ns per element on a (rows, cols) shard, side by side: noise alone and fp8 store + load,
+    now and at git revision `revision` (None if git cannot provide it)."""
     try:
         baseline = load_baseline(revision)
     except (subprocess.CalledProcessError, FileNotFoundError) as error:
         print(f"(no baseline: {error})")
-        return {name: 1e9 * t for name, t in out.items()}
-    like = torch.empty(baseline_rows, cols, dtype=torch.uint8)
-    out["baseline noise"] = statistics.median(seconds(lambda: baseline._noise(1, 0, like, 20)) for _ in range(repeats)) / like.numel()
-    storage = baseline.momentum_storage("fp8")
-    run = store_and_load(storage, storage.create(torch.zeros(baseline_rows, cols)), torch.randn(baseline_rows, cols))
-    out["baseline fp8"] = statistics.median(seconds(run) for _ in range(repeats)) / like.numel()
-    return {name: 1e9 * t for name, t in out.items()}
+        return None
+    step, like = torch.tensor(1), torch.empty(rows, cols, dtype=torch.uint8)
+    momentum = torch.randn(rows, cols, generator=torch.Generator().manual_seed(0))
+    new_fp8, old_fp8 = momentum_storage("fp8"), baseline.momentum_storage("fp8")
+    runs = {
+        "noise": lambda: rounding_noise(step, 0, 0, (rows, cols), 20, "cpu"),
+        "baseline noise": lambda: baseline._noise(1, 0, like, 20),
+        "fp8": store_and_load(new_fp8, new_fp8.create(torch.zeros(rows, cols)), momentum),
+        "baseline fp8": store_and_load(old_fp8, old_fp8.create(torch.zeros(rows, cols)), momentum),
+    }
+    times = {name: [] for name in runs}
+    for _ in range(repeats):
+        for name, run in runs.items():
+            times[name].append(seconds(run))
+    return {name: 1e9 * statistics.median(t) / (rows * cols) for name, t in times.items()}
 
 
 def main() -> None:
@@ -131,14 +137,14 @@ def main() -> None:
     for name, t in medians.items():
         print(f"| {name} | {t:.3f} | {t / medians['bf16']:.2f}x | {1e9 * t / (args.rows * args.cols):.1f} |")
 
-    ns = time_baseline(args.rows, args.cols, args.baseline_rows, args.baseline, args.repeats)
-    print(f"\nstochastic-rounding noise alone: hash {ns['noise']:.2f} ns/element")
-    if "baseline noise" in ns:
-        print(
-            f"at {args.baseline} ({args.baseline_rows} x {args.cols}): generator noise {ns['baseline noise']:.2f} ns/element "
-            f"({ns['baseline noise'] / ns['noise']:.1f}x the hash), fp8 store + load {ns['baseline fp8']:.1f} ns/element "
-            f"({ns['baseline fp8'] / (1e9 * medians['fp8'] / (args.rows * args.cols)):.1f}x now)"
-        )
+    ns = time_against_baseline(args.baseline_rows, args.cols, args.baseline, args.repeats)
+    if ns is not None:
+        print(f"\n{args.baseline_rows} x {args.cols} shard, ns / element, now vs {args.baseline} (median of {args.repeats} rounds):\n")
+        print(f"| | now | {args.baseline} | speed-up |")
+        print("|---|---|---|---|")
+        for name, label in [("noise", "stochastic-rounding noise alone"), ("fp8", "fp8 store + load")]:
+            old = ns[f"baseline {name}"]
+            print(f"| {label} | {ns[name]:.1f} | {old:.1f} | {old / ns[name]:.1f}x |")
 
 if __name__ == "__main__":
     main()

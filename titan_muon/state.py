@@ -198,7 +198,7 @@ class Fp8Storage(MomentumStorage):
         first_row = _first_row(codes, first_row)
         state["step"] += 1
         exps = scale_exponents(momentum, self.block_cols)
-        inverse_scales = [pow2(-e).unsqueeze(-1) for e in _split_like(exps, momentum, self.block_cols)]
+        inverse_scales = [s.unsqueeze(-1) for s in _split_like(pow2(-exps), momentum, self.block_cols)]
         if self.rounding == "stochastic":
             # fp32 has 23 mantissa bits, e4m3 has 3: round the 20 dropped bits stochastically.
             # Done before scaling, which is exact and moves only the exponent: the result is
@@ -248,10 +248,11 @@ def scale_exponents(x: Tensor, block_cols: int) -> Tensor:
     if not parts:
         return torch.zeros(x.shape[0], 0, dtype=torch.int8, device=x.device)
     amax = torch.cat([torch.maximum(p.amax(dim=-1), p.amin(dim=-1).neg_()) for p in parts], dim=1)
-    mantissa, exponent = torch.frexp(amax)  # amax = mantissa * 2**exponent, mantissa in [0.5, 1)
+    mantissa, exponent = torch.frexp(amax)  # amax = mantissa * 2**exponent, mantissa in [0.5, 1) (0 for 0)
     headroom = torch.where(mantissa <= FP8_MAX / 512, 9, 8)  # mantissa * 2**9 <= 448 iff mantissa <= 0.875
-    e = (exponent - headroom).clamp_(-126, 120)  # finite fp32 amax < 2**128: e <= 120 already
-    return torch.where(torch.isfinite(amax), e, NONFINITE_EXP).to(torch.int8)
+    e = (exponent - headroom).clamp_min_(-126)  # finite fp32 amax < 2**128: e <= 120
+    finite = mantissa < 1  # frexp keeps Inf and NaN as the mantissa
+    return torch.where(finite, e, NONFINITE_EXP).to(torch.int8)
 
 
 def decode_fp8(codes: Tensor, exps: Tensor, block_cols: int) -> Tensor:
