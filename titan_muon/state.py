@@ -282,6 +282,13 @@ def pow2(e: Tensor) -> Tensor:
 # ----------------------------------------------------------------------------- stochastic rounding
 
 
+# lowbias32 (Chris Wellons, hash-prospector): x ^= x >> 16; x *= A; x ^= x >> 15; x *= B; x ^= x >> 16
+U32 = 0xFFFFFFFF
+MIX_A, MIX_B = 0x7FEB352D, 0x846CA68B - (1 << 32)  # as signed int32: tensor products wrap mod 2**32
+COLUMN_SALT = 0x9E3779B9 - (1 << 32)
+_LOW_HALF = 0 if sys.byteorder == "little" else 1
+
+
 def stochastic_round_(noise: Tensor, x: Tensor, bits: int) -> Tensor:
     """In place on ``noise`` (int32 in [0, 2**bits)): fp32 ``x``'s bits with the low ``bits``
     mantissa bits rounded away stochastically.
@@ -315,13 +322,6 @@ def rounding_noise(step: Tensor | int, stream: int, first_row: int, shape: tuple
     x.mul_(MIX_B)
     _fold_high_half_(x)
     return x.bitwise_and_((1 << bits) - 1)
-
-
-# lowbias32 (Chris Wellons, hash-prospector): x ^= x >> 16; x *= A; x ^= x >> 15; x *= B; x ^= x >> 16
-U32 = 0xFFFFFFFF
-MIX_A, MIX_B = 0x7FEB352D, 0x846CA68B - (1 << 32)  # as signed int32: tensor products wrap mod 2**32
-COLUMN_SALT = 0x9E3779B9 - (1 << 32)
-_LOW_HALF = 0 if sys.byteorder == "little" else 1
 
 
 def lowbias32(x: int) -> int:
