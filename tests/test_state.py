@@ -289,8 +289,9 @@ def test_noise_depends_only_on_step_stream_global_row_and_column():
     assert not torch.equal(rounding_noise(step, 5, 0, (37, 300), 20, "cpu"), whole)
 
 
-def _bit_signs(u, bit):
-    return ((u >> bit) & 1).double() * 2 - 1
+def _bit_means(u, bits=20):
+    """Per bit b < bits, the mean over elements of +-1 (bit b of the element set or not)."""
+    return torch.stack([((u >> b) & 1).sum() for b in range(bits)]).double() * 2 / u.numel() - 1
 
 
 def test_noise_bits_are_uniform_and_independent():
@@ -311,33 +312,42 @@ def test_noise_bits_are_uniform_and_independent():
         "next stream": rounding_noise(torch.tensor(7), 6, 0, (rows, cols), 20, "cpu"),
         "rows 2**20 away": rounding_noise(torch.tensor(7), 5, 2**20, (rows, cols), 20, "cpu"),
     }
-    for bit in range(20):
-        assert abs(float(_bit_signs(u, bit).mean())) < limit, bit
-        for name, v in others.items():
-            assert abs(float((_bit_signs(u, bit) * _bit_signs(v, bit)).mean())) < limit, (bit, name)
+    assert _bit_means(u).abs().max() < limit
+    for name, v in others.items():
+        correlation = -_bit_means(u ^ v)  # per bit: mean of (+-1)(+-1) = -(mean of +-1 for the XOR)
+        assert correlation.abs().max() < limit, (name, correlation)
+
+
+def _top_singular_value(matrix, iterations=60):
+    """Power iteration from a fixed random start: finds a separated outlier, slightly under-reads the bulk edge."""
+    v = torch.randn(matrix.shape[1], generator=torch.Generator().manual_seed(0))
+    for _ in range(iterations):
+        v = matrix.T @ (matrix @ v)
+        v /= v.norm()
+    return float((matrix @ v).norm())
 
 
 def test_noise_has_no_matrix_structure():
     """Rounding decisions form no low-rank pattern that Newton-Schulz would lift.
 
     E = 1[u < f] - f has independent entries of variance f(1 - f) for a good hash, so its
-    spectral norm is sqrt(f(1 - f)) (sqrt(rows) + sqrt(cols)) up to finite-size corrections of
-    a few per cent (Bai-Yin; measured 0.99-1.01 at this size). Combining row and column keys by
-    XOR alone, without the two mixing rounds, measures 13x (docs/fp8_momentum.md); a single
-    multiply, 1.08-1.9x: 1.1 separates them.
-    Also: 4-point XOR u(r,c)^u(r,c')^u(r',c)^u(r',c') is 0 for XOR-combined keys; each of its
-    bits must be a fair coin (5 standard errors, as above).
+    largest singular value is sqrt(f(1 - f)) (sqrt(rows) + sqrt(cols)) up to finite-size
+    corrections of a few per cent (Bai-Yin; the hash measures 0.99 here). Structure shows as
+    outliers that grow with the size; measured at this size (docs/fp8_momentum.md): row key
+    XOR column key alone 6.5-19x, plus one multiply 1.12-1.24x, plus multiply and fold
+    1.45-1.5x. Bound 1.1 separates them.
+    Also: the 4-point XOR u(r,c)^u(r,c')^u(r',c)^u(r',c') is 0 for XOR-combined keys; each of
+    its bits must be a fair coin (5 standard errors, as above; one multiply alone reaches 9.7).
     """
-    rows, cols = 256, 512
+    rows, cols = 1024, 2048
     u = rounding_noise(torch.tensor(3), 2, 64, (rows, cols), 20, "cpu")
     for f in (0.5, 0.1):
-        errors = (u < f * 2**20).double() - f
-        ratio = float(torch.linalg.matrix_norm(errors, 2)) / (math.sqrt(f * (1 - f)) * (math.sqrt(rows) + math.sqrt(cols)))
+        errors = (u < f * 2**20).float() - f
+        ratio = _top_singular_value(errors) / (math.sqrt(f * (1 - f)) * (math.sqrt(rows) + math.sqrt(cols)))
         assert ratio < 1.1, (f, ratio)
     for dr, dc in [(1, 1), (1, 256), (128, 1)]:
         q = u[dr:, dc:] ^ u[dr:, :-dc] ^ u[:-dr, dc:] ^ u[:-dr, :-dc]
-        for bit in range(20):
-            assert abs(float(_bit_signs(q, bit).mean())) < 5 / math.sqrt(q.numel()), (dr, dc, bit)
+        assert _bit_means(q).abs().max() < 5 / math.sqrt(q.numel()), (dr, dc)
 
 
 def test_stochastic_round_rounds_up_with_the_dropped_fraction():
@@ -486,7 +496,7 @@ def test_store_and_load_run_a_fixed_number_of_ops_and_never_read_a_value(kind):
     """O(1) ops per call: the same ops for a tiny matrix and one with 56 column blocks and a
     ragged last one; no _local_scalar_dense (.item(), int(t)) and no aten.equal.
 
-    Bound: the measured count (fp8 store + load: 97 ops that compute, 13 of them on the CPU
+    Bound: the measured count (fp8 store + load: 79 ops that compute, 14 of them on the CPU
     step scalar) with room for small changes; a loop per block or per row group would already
     fail the equality.
     """
@@ -500,4 +510,4 @@ def test_store_and_load_run_a_fixed_number_of_ops_and_never_read_a_value(kind):
         ops.append(mode.ops)
     assert ops[0] == ops[1]
     computing = [op for op in ops[0] if op.removeprefix("aten.") not in VIEW_OPS]
-    assert len(computing) <= 110, (len(computing), computing)
+    assert len(computing) <= 90, (len(computing), computing)

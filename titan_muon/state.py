@@ -223,19 +223,20 @@ class Fp8Storage(MomentumStorage):
         state["step"] += 1
         momentum = momentum.reshape(-1, momentum.shape[-1])
         exps = scale_exponents(momentum, self.block_cols)
+        inverse_scales = [s.unsqueeze(-1) for s in _split_like(pow2(-exps), momentum, self.block_cols)]
         if self.rounding == "stochastic":
             # fp32 has 23 mantissa bits, e4m3 has 3: round the 20 dropped bits stochastically.
             # Done before scaling, which is exact and moves only the exponent: the result is
             # then exact in e4m3 (except for its subnormals, which round to nearest in the cast).
             noise = rounding_noise_at(state["step"], stream, rows, cols, 20)
             scaled = stochastic_round_(noise, momentum, 20).view(torch.float32)
-            for part, e in zip(column_blocks(scaled, self.block_cols), _split_like(exps, scaled, self.block_cols)):
-                part.mul_(pow2(-e).unsqueeze(-1))
+            for part, inverse in zip(column_blocks(scaled, self.block_cols), inverse_scales):
+                part.mul_(inverse)
         else:
             scaled = torch.empty_like(momentum)
-            blocks = zip(column_blocks(momentum, self.block_cols), column_blocks(scaled, self.block_cols), _split_like(exps, scaled, self.block_cols))
-            for src, dst, e in blocks:
-                torch.mul(src, pow2(-e).unsqueeze(-1), out=dst)
+            sources, targets = column_blocks(momentum, self.block_cols), column_blocks(scaled, self.block_cols)
+            for src, dst, inverse in zip(sources, targets, inverse_scales):
+                torch.mul(src, inverse, out=dst)
         local_shard(codes).view(FP8).copy_(scaled.view(local_shard(codes).shape))
         local_shard(exps_state).copy_(exps.view(local_shard(exps_state).shape))
 
@@ -272,10 +273,11 @@ def scale_exponents(x: Tensor, block_cols: int) -> Tensor:
     if not parts:
         return torch.zeros(x.shape[0], 0, dtype=torch.int8, device=x.device)
     amax = torch.cat([torch.maximum(p.amax(dim=-1), p.amin(dim=-1).neg_()) for p in parts], dim=1)
-    mantissa, exponent = torch.frexp(amax)  # amax = mantissa * 2**exponent, mantissa in [0.5, 1)
+    mantissa, exponent = torch.frexp(amax)  # amax = mantissa * 2**exponent, mantissa in [0.5, 1) (0 for 0)
     headroom = torch.where(mantissa <= FP8_MAX / 512, 9, 8)  # mantissa * 2**9 <= 448 iff mantissa <= 0.875
-    e = (exponent - headroom).clamp_(-126, 120)  # finite fp32 amax < 2**128: e <= 120 already
-    return torch.where(torch.isfinite(amax), e, NONFINITE_EXP).to(torch.int8)
+    e = (exponent - headroom).clamp_min_(-126)  # finite fp32 amax < 2**128: e <= 120
+    finite = mantissa < 1  # frexp keeps Inf and NaN as the mantissa
+    return torch.where(finite, e, NONFINITE_EXP).to(torch.int8)
 
 
 def decode_fp8(codes: Tensor, exps: Tensor, block_cols: int) -> Tensor:
@@ -305,8 +307,16 @@ def pow2(e: Tensor) -> Tensor:
 # ----------------------------------------------------------------------------- stochastic rounding
 
 
+# lowbias32 (Chris Wellons, hash-prospector): x ^= x >> 16; x *= A; x ^= x >> 15; x *= B; x ^= x >> 16
+U32 = 0xFFFFFFFF
+MIX_A, MIX_B = 0x7FEB352D, 0x846CA68B - (1 << 32)  # as signed int32: tensor products wrap mod 2**32
+COLUMN_SALT = 0x9E3779B9 - (1 << 32)
+_LOW_HALF = 0 if sys.byteorder == "little" else 1
+
+
 def stochastic_round_(noise: Tensor, x: Tensor, bits: int) -> Tensor:
-    """In place on ``noise`` (int32 in [0, 2**bits)): the bits of fp32 ``x`` with the low ``bits`` mantissa bits rounded away stochastically.
+    """In place on ``noise`` (int32 in [0, 2**bits)): fp32 ``x``'s bits with the low ``bits``
+    mantissa bits rounded away stochastically.
 
     Adding uniform noise to the magnitude bits and truncating rounds up with probability
     equal to the dropped fraction, for either sign; a carry into the exponent is the correct
@@ -333,22 +343,15 @@ def rounding_noise(step: Tensor | int, stream: int, first_row: int, shape: tuple
 def rounding_noise_at(step: Tensor | int, stream: int, row_ids: Tensor, col_ids: Tensor, bits: int) -> Tensor:
     """:func:`rounding_noise` for the rows and columns with global indices `row_ids`, `col_ids` (int32 device tensors)."""
     seed = _hash32(torch.as_tensor(step).to(torch.int32) ^ _i32(lowbias32(stream & U32)))
-    row_key = _hash32(row_ids ^ seed)
     # COLUMN_SALT has bit 31 set and indices are < 2**31: a row and a column never hash the same input
-    col_key = _hash32(col_ids ^ (seed ^ COLUMN_SALT))
+    keys = _hash32(torch.cat([row_ids, col_ids ^ COLUMN_SALT]) ^ seed)
+    row_key, col_key = keys.split([row_ids.numel(), col_ids.numel()])
     x = torch.bitwise_xor(row_key.unsqueeze(1), col_key)  # (rows, cols)
     x.mul_(MIX_A)
     _fold_high_half_(x)
     x.mul_(MIX_B)
     _fold_high_half_(x)
     return x.bitwise_and_((1 << bits) - 1)
-
-
-# lowbias32 (Chris Wellons, hash-prospector): x ^= x >> 16; x *= A; x ^= x >> 15; x *= B; x ^= x >> 16
-U32 = 0xFFFFFFFF
-MIX_A, MIX_B = 0x7FEB352D, 0x846CA68B - (1 << 32)  # as signed int32: tensor products wrap mod 2**32
-COLUMN_SALT = 0x9E3779B9 - (1 << 32)
-_LOW_HALF = 0 if sys.byteorder == "little" else 1
 
 
 def lowbias32(x: int) -> int:
