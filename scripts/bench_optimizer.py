@@ -143,7 +143,7 @@ def _rank_main(rank, world, args):
         opt = Muon(muon_groups(module), lr=0.02, adjust_lr_fn="match_rms_adamw", ns_dtype=ns_dtype)
         times = _timed_steps(opt, module, mesh, args.steps, args.warmup)
         m = opt.last_step_metrics
-        loads = [ns_cost(opt.plan, r, lambda rows, cols: newton_schulz_flops(rows, cols, 5)) for r in range(world)]
+        loads = [ns_cost(opt.plan, r, lambda unit: newton_schulz_flops(unit.rows, unit.cols, 5)) for r in range(world)]
         results[label] = dict(
             times=times, bytes_sent=m["muon/bytes_sent"], ns_gflops=m["muon/ns_flops"] / max(m["muon/ns_time_ms"], 1e-9) / 1e6,
             balance=max(loads) / (sum(loads) / world), local_bytes=sum(p.to_local().numel() * 4 for p in module.parameters() if p.ndim == 2),

@@ -101,6 +101,15 @@ def test_fp8_momentum_distributed_equals_fp8_one_process():
         check_equal_to_one_process(result["params"], expected, 4, f"rank {r}")
 
 
+def test_gram_newton_schulz_distributed_equals_one_process():
+    """ns_algorithm="gram" on every shape (auto would pick it only from 128 rows): the owner
+    runs the same kernels as one process, so the same fp32 bound applies."""
+    results = run_distributed(_dtensor_run, 3, (3,), 3, {"ns_algorithm": "gram"})
+    expected = _one_process(3, ns_algorithm="gram")
+    for r, result in enumerate(results):
+        check_equal_to_one_process(result["params"], expected, 3, f"rank {r}")
+
+
 def test_hsdp_mesh_equals_one_process():
     results = run_distributed(_dtensor_run, 4, (2, 2), 3, {})
     expected = _one_process(3)

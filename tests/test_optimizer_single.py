@@ -9,6 +9,7 @@ from torch import nn
 from common import SHAPES, grads_for, make_params, run_titan
 from reference import ReferenceMuonAdamW
 from titan_muon import Muon, build_param_groups
+from titan_muon.newton_schulz import newton_schulz_flops
 
 def max_rel(a, b):
     return max(((a[n] - b[n]).abs().max() / b[n].abs().max()).item() for n in a)
@@ -49,6 +50,35 @@ def test_matches_torch_optim_muon_with_bf16_newton_schulz():
         deltas = {n: ours32[n] - params[n] for n in params}
         torch_deltas = {n: tensors[n].detach() - params[n] for n in params}
         assert max_rel(deltas, torch_deltas) <= 0.05
+
+
+@pytest.mark.parametrize("ns_algorithm", ["gram", "auto"])
+def test_gram_newton_schulz_matches_the_standard_reference(ns_algorithm):
+    """Gram NS evaluates the same polynomial as the reference's standard NS, in another order.
+
+    Shapes where "auto" picks gram (short side >= 128, aspect >= 2.5; wide and tall) and one
+    where it does not. Bound: in fp32 both algorithms stay within 3.3e-4 (spectral norm, so per
+    entry) of the exact polynomial for Keller's 5 steps (docs/newton_schulz.md, the a-priori
+    envelope), so their outputs differ by <= 6.6e-4 per entry; each of `steps` updates scales
+    that by lr times the shape factor, and momentum does not depend on the parameters.
+    """
+    shapes = {"mlp_up": (128, 384), "mlp_down": (384, 128), "square": (64, 64)}
+    params = make_params(shapes=shapes)
+    kwargs = dict(lr=0.02, weight_decay=0.1, momentum=0.9, adjust_lr_fn="original")
+    steps = 3
+    ours, opt = run_titan(params, steps, set(shapes), ns_algorithm=ns_algorithm, **kwargs)
+    ref = ReferenceMuonAdamW(**kwargs)
+    expected = {n: p.clone() for n, p in params.items()}
+    for s in range(steps):
+        ref.step(expected, grads_for(s, params), {n: True for n in params})
+    for name, (rows, cols) in shapes.items():
+        bound = steps * kwargs["lr"] * max(1, rows / cols) ** 0.5 * 2 * 3.3e-4
+        assert (ours[name] - expected[name]).abs().max() <= bound, name
+    # The FLOP metric reports what ran: gram on the rectangular matrices, and on the square one
+    # only when forced.
+    square = "gram" if ns_algorithm == "gram" else "standard"
+    expected_flops = 2 * newton_schulz_flops(128, 384, 5, "gram") + newton_schulz_flops(64, 64, 5, square)
+    assert opt.last_step_metrics["muon/ns_flops"] == expected_flops
 
 
 def test_adamw_groups_match_torch_adamw():
@@ -100,6 +130,7 @@ def test_non_matrix_in_muon_group_is_named():
         (dict(ns_steps=0), "ns_steps"),
         (dict(adjust_lr_fn="rms"), "adjust_lr_fn"),
         (dict(ns_coefficients="cubic"), "ns_coefficients"),
+        (dict(ns_algorithm="fast"), "ns_algorithm"),
         (dict(ns_dtype="fp16"), "ns_dtype"),
         (dict(comm_dtype="int8"), "comm_dtype"),
         (dict(lr=-1.0), "lr"),

@@ -32,7 +32,7 @@ from torch.optim import Optimizer
 from torch.optim.adamw import adamw as adamw_functional
 
 from titan_muon.layout import RankGrid, Sharding, replicated, sharding_of
-from titan_muon.newton_schulz import NS_METHODS, coefficient_schedule, newton_schulz_flops, orthogonalize
+from titan_muon.newton_schulz import NS_ALGORITHMS, NS_METHODS, coefficient_schedule, newton_schulz_flops, orthogonalize, resolve_algorithm
 from titan_muon.overlap import BackwardOverlap
 from titan_muon.owner_state import blocks_to_shards, shards_to_blocks
 from titan_muon.plan import BucketSchedule, Plan, Unit, build_plan, rank_schedule
@@ -124,6 +124,10 @@ class Muon(Optimizer):
     Args follow ``torch.optim.Muon`` (lr, weight_decay, momentum, nesterov, ns_coefficients,
     ns_steps, adjust_lr_fn) plus:
         ns_coefficients: "keller" (default), "polar_express", or an (a, b, c) tuple.
+        ns_algorithm: "auto" (default), "standard" or "gram": how Newton–Schulz evaluates its
+            polynomial. "gram" iterates on the short side's Gram matrix (fewer FLOPs on
+            rectangular matrices); "auto" runs it where it is faster and as accurate (MLP and
+            GQA k/v shapes) and "standard" elsewhere (docs/newton_schulz.md).
         ns_dtype: "fp32", "bf16" or "auto" (default: bf16 on CUDA, fp32 elsewhere): dtype of
             the Newton–Schulz matmuls.
         comm_dtype: "fp32", "bf16" or "auto" (default: the NS dtype): dtype on the wire.
@@ -154,6 +158,7 @@ class Muon(Optimizer):
         adjust_lr_fn: str | None = None,
         *,
         ns_coefficients: str | tuple[float, float, float] = "keller",
+        ns_algorithm: str = "auto",
         ns_eps: float = 1e-7,
         ns_dtype: str = "auto",
         comm_dtype: str = "auto",
@@ -192,6 +197,7 @@ class Muon(Optimizer):
             ns_steps=ns_steps,
             adjust_lr_fn=adjust_lr_fn,
             ns_coefficients=ns_coefficients,
+            ns_algorithm=ns_algorithm,
             ns_eps=ns_eps,
             betas=adamw_betas,
             eps=adamw_eps,
@@ -272,7 +278,7 @@ class Muon(Optimizer):
                     (units if entry.sharding is not None else self._local_units).append(unit)
         shardings = [e.sharding or replicated(e.param.shape) for e in self._muon_params]
         bucket_mb = self.bucket_size_mb if self.bucket_size_mb is not None else max(64.0, 8.0 * world)
-        self.plan: Plan = build_plan(units, shardings, world, int(bucket_mb * 2**20))
+        self.plan: Plan = build_plan(units, shardings, world, int(bucket_mb * 2**20), cost=self._unit_ns_flops)
         self.transport.check_same_everywhere(self.plan.fingerprint(), "the Muon ownership plan")
         self.schedules: tuple[BucketSchedule, ...] = rank_schedule(self.plan, shardings, rank)
 
@@ -584,15 +590,24 @@ class Muon(Optimizer):
         """Orthogonalize a batch of equal-shape matrices and scale them by their shape's factor."""
         shape, group_index = key
         group = self.param_groups[group_index]
-        steps = group["ns_steps"]
+        steps, algorithm = group["ns_steps"], self._ns_algorithm(group, *shape)
         timer.start("ns")
-        ortho = orthogonalize(matrices, steps, group["ns_coefficients"], self.ns_dtype, group["ns_eps"])
+        ortho = orthogonalize(matrices, steps, group["ns_coefficients"], self.ns_dtype, group["ns_eps"], algorithm)
         timer.stop("ns")
-        work.ns_flops += matrices.shape[0] * newton_schulz_flops(*shape, steps)
+        work.ns_flops += matrices.shape[0] * newton_schulz_flops(*shape, steps, algorithm)
         scaled = ortho.float().mul_(update_scale(group["adjust_lr_fn"], *shape))
         work.update_sq.append(scaled.square().sum() * group["lr"] ** 2)
         work.update_numel += scaled.numel()
         return scaled
+
+    def _ns_algorithm(self, group: dict, rows: int, cols: int) -> str:
+        algorithm = group["ns_algorithm"]
+        return resolve_algorithm(rows, cols, self.ns_dtype, self.device.type) if algorithm == "auto" else algorithm
+
+    def _unit_ns_flops(self, unit: Unit) -> int:
+        """What the owner of `unit` will spend on it: the plan balances owners on this."""
+        group = self._muon_params[unit.param].group
+        return newton_schulz_flops(unit.rows, unit.cols, group["ns_steps"], self._ns_algorithm(group, unit.rows, unit.cols))
 
     def _agree_on_success(self, failure: _StepFailure) -> None:
         """Step 3: raise the same error on every rank if any rank failed in step 2."""
@@ -743,6 +758,9 @@ class Muon(Optimizer):
                         "was the checkpoint written with another optimizer or parameter split?"
                     )
         super().load_state_dict(state_dict)
+        for group in self.param_groups:  # checkpoints written before a setting existed
+            for key, value in self.defaults.items():
+                group.setdefault(key, value)
         for entry in self._muon_params:
             entry.group = self.param_groups[entry.group_index]
         if self.owner_momentum:
@@ -868,6 +886,8 @@ def _validate_group(group: dict, index: int) -> None:
                 raise ValueError(f"{where}: ns_coefficients={coefficients!r}; expected one of {NS_METHODS} or (a, b, c)")
         else:
             coefficient_schedule(coefficients, 1)
+        if group["ns_algorithm"] not in NS_ALGORITHMS:
+            raise ValueError(f"{where}: ns_algorithm={group['ns_algorithm']!r}; expected one of {NS_ALGORITHMS}")
     else:
         beta1, beta2 = group["betas"]
         if not (0 <= beta1 < 1 and 0 <= beta2 < 1):

@@ -138,20 +138,20 @@ def build_plan(
     shardings: Sequence[Sharding],
     world_size: int,
     bucket_bytes: int,
-    cost: Callable[[int, int], int] | None = None,
+    cost: Callable[[Unit], int] | None = None,
     max_holders: int = 8,
 ) -> Plan:
     """Bucket `units` in the given order (4-byte elements for sizing) and give each an owner.
 
-    ``shardings[unit.param]`` says which ranks hold which part of each unit; ``cost(rows,
-    cols)`` is the unit's Newton–Schulz cost (default: 5-step FLOPs). Units spread over more
+    ``shardings[unit.param]`` says which ranks hold which part of each unit; ``cost(unit)`` is
+    its Newton–Schulz cost (default: FLOPs of 5 standard steps). Units spread over more
     than ``max_holders`` ranks gain nothing from locality and are placed on load alone.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    cost = cost or (lambda rows, cols: newton_schulz_flops(rows, cols, 5))
+    cost = cost or (lambda unit: newton_schulz_flops(unit.rows, unit.cols, 5))
     buckets = make_buckets([4 * unit.numel for unit in units], bucket_bytes)
-    costs = [cost(unit.rows, unit.cols) for unit in units]
+    costs = [cost(unit) for unit in units]
     local_pieces = []
     for unit in units:
         holders = list(itertools.islice(shardings[unit.param].holders(unit.box), max_holders + 1))
@@ -301,5 +301,5 @@ def elements_sent(schedules: Sequence[BucketSchedule], rank: int) -> int:
     )
 
 
-def ns_cost(plan: Plan, rank: int, cost: Callable[[int, int], int]) -> int:
-    return sum(cost(u.rows, u.cols) for u, owner in zip(plan.units, plan.owners) if owner == rank)
+def ns_cost(plan: Plan, rank: int, cost: Callable[[Unit], int]) -> int:
+    return sum(cost(u) for u, owner in zip(plan.units, plan.owners) if owner == rank)

@@ -24,6 +24,9 @@ class Optimizer:
     """Newton-Schulz iterations per update."""
     ns_coefficients: Literal["keller", "polar_express"] = "keller"
     """"keller" (quintic, as in the original Muon) or "polar_express"."""
+    ns_algorithm: Literal["auto", "standard", "gram"] = "auto"
+    """How NS evaluates its polynomial: "gram" iterates on the short side's Gram matrix (fewer
+    FLOPs on rectangular matrices); "auto" uses it where it is faster and as accurate."""
     ns_dtype: Literal["auto", "fp32", "bf16"] = "auto"
     """Newton-Schulz matmul precision: "auto" = "bf16" on CUDA (tensor cores), "fp32" on CPU
     (exact; bf16 matmuls are slow there)."""

@@ -34,6 +34,7 @@ def muon_kwargs(config: Any) -> dict[str, Any]:
         ns_steps=config.ns_steps,
         adjust_lr_fn=config.adjust_lr_fn,
         ns_coefficients=config.ns_coefficients,
+        ns_algorithm=config.ns_algorithm,
         ns_dtype=config.ns_dtype,
         comm_dtype=config.comm_dtype,
         momentum_dtype=config.momentum_dtype,
