@@ -1,7 +1,7 @@
 """End-to-end training step on torchtitan's llama3 model under FSDP2, CPU/gloo, W ranks.
 
-Every mode runs in the same processes, one after another, on the same batches, so the
-ratios compare like with like on a shared, noisy machine:
+Every mode runs in the same processes on the same batches, the modes taking their steps in
+turn (alternating order), so the ratios compare like with like on a shared, noisy machine:
 
     adamw              torch.optim.AdamW on the FSDP2 shards (torchtitan's default optimizer)
     muon               titan_muon.Muon, all Muon traffic inside step()
@@ -89,13 +89,17 @@ def _rank_main(rank, world, args):
 
 
 def _runs(rank, world, args, mesh, accum):
+    """Every mode's model and optimizer live side by side and take their steps in turn, so a
+    slow spell of this shared machine hits all modes alike."""
     vocab = FLAVORS[args.flavor]["vocab_size"]
-    results = {}
-    for mode in args.modes.split(","):
+    modes = args.modes.split(",")
+    runs = {}
+    for mode in modes:
         model = build(args.flavor, mesh, args.seq)
-        opt = optimizer_for(mode, model, args.ns_dtype)
-        timings = []
-        for step in range(args.warmup + args.steps):
+        runs[mode] = dict(model=model, opt=optimizer_for(mode, model, args.ns_dtype), timings=[])
+    for step in range(args.warmup + args.steps):
+        for mode in modes if step % 2 == 0 else reversed(modes):
+            model, opt = runs[mode]["model"], runs[mode]["opt"]
             gen = torch.Generator().manual_seed(step * world + rank)
             dist.barrier()
             started = time.perf_counter()
@@ -111,18 +115,20 @@ def _runs(rank, world, args, mesh, accum):
             stepped = time.perf_counter()
             opt.zero_grad()
             done = time.perf_counter()
+            runs[mode]["loss"] = loss.item() * accum
             if step >= args.warmup:
                 metrics = getattr(opt, "last_step_metrics", {})
-                timings.append(dict(
+                runs[mode]["timings"].append(dict(
                     step=done - started, fwd_bwd=backward_done - started, opt=stepped - clipped,
                     ns=metrics.get("muon/ns_time_ms", 0.0) / 1e3,
                     bytes_to_owners=metrics.get("muon/bytes_sent_to_owners", 0.0),
                     bytes_backward=metrics.get("muon/bytes_sent_in_backward", 0.0),
                     peak=metrics.get("muon/peak_transient_bytes", 0.0),
                 ))  # fmt: skip
-        params = sum(p.to_local().numel() for p in model.parameters())
-        results[mode] = dict(timings=timings, state_bytes=state_bytes(opt), local_params=params, loss=loss.item() * accum)
-        del model, opt
+    results = {}
+    for mode, run in runs.items():
+        params = sum(p.to_local().numel() for p in run["model"].parameters())
+        results[mode] = dict(timings=run["timings"], state_bytes=state_bytes(run["opt"]), local_params=params, loss=run["loss"])
     return results
 
 
