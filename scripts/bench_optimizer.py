@@ -1,12 +1,14 @@
 """Optimizer-step benchmark on transformer-shaped matrices, CPU/gloo, measured side by side.
 
-Rows: titan_muon at each world size, a gather-everything distributed Muon (every rank
+Rows: titan_muon at each world size (fp32 NS with the default ns_algorithm="auto", i.e. Gram NS
+on the MLP and k/v matrices; fp32 standard NS only; bf16 NS), a gather-everything distributed Muon (every rank
 all-gathers every matrix and runs all Newton-Schulz work itself), torch.optim.Muon in one
 process, and torch.optim.AdamW on the same FSDP-style shards. Every rank runs with the same
 number of threads, so W=2 vs W=1 compares the same per-rank compute.
 
     python scripts/bench_optimizer.py                       # 8 layers, d=1024, ffn 2816, GQA 4 KV heads
     python scripts/bench_optimizer.py --layers 2 --steps 2  # quick look
+    python scripts/bench_optimizer.py --variants fp32,fp32-standard --torch-muon-steps 0   # CPUs without fast bf16
 
 Writes a markdown table to docs/performance.md (section "Optimizer step") unless --no-write.
 """
@@ -32,7 +34,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 from titan_muon import Muon
 from titan_muon.newton_schulz import orthogonalize
-from titan_muon.newton_schulz import newton_schulz_flops
+from titan_muon.newton_schulz import newton_schulz_flops, resolve_algorithm
 from titan_muon.plan import ns_cost, shard_rows
 from titan_muon.update import apply_updates_, nesterov_input, update_momentum_, update_scale
 
@@ -90,7 +92,7 @@ class GatherEverythingMuon:
             dist.all_gather_into_tensor(gathered, padded)
             self.bytes_sent += (world - 1) * padded.numel() * 4
             full = torch.cat([gathered[r * chunk : r * chunk + (e - s)] for r, (s, e) in enumerate(shard_rows(rows, world))])
-            ortho = orthogonalize(full, dtype=self.ns_dtype).float() * update_scale("match_rms_adamw", rows, cols)
+            ortho = orthogonalize(full, dtype=self.ns_dtype, algorithm="auto").float() * update_scale("match_rms_adamw", rows, cols)
             start, end = shard_rows(rows, world)[rank]
             apply_updates_([p.to_local()], [ortho[start:end]], self.lr, self.wd)
 
@@ -126,6 +128,14 @@ def run_on_ranks(fn, world: int, args) -> list:
         return [torch.load(Path(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world)]
 
 
+# --variants: label, ns_dtype, ns_algorithm
+VARIANTS = {
+    "fp32": ("titan_muon", "fp32", "auto"),
+    "fp32-standard": ("titan_muon (standard NS only)", "fp32", "standard"),
+    "bf16": ("titan_muon (bf16 NS)", "bf16", "auto"),
+}
+
+
 def _rank_main(rank, world, args):
     mesh = init_device_mesh("cpu", (world,))
     shapes = transformer_shapes(args.layers, args.dim, args.ffn, args.heads, args.kv_heads)
@@ -138,12 +148,18 @@ def _rank_main(rank, world, args):
             {"params": [(n, p) for n, p in named if p.ndim != 2], "use_muon": False},
         ]
 
-    for label, ns_dtype in (("titan_muon", "fp32"), ("titan_muon (bf16 NS)", "bf16")):
+    for variant in args.variants.split(","):
+        label, ns_dtype, algorithm = VARIANTS[variant]
         module = make_module(shapes, mesh)
-        opt = Muon(muon_groups(module), lr=0.02, adjust_lr_fn="match_rms_adamw", ns_dtype=ns_dtype)
+        opt = Muon(muon_groups(module), lr=0.02, adjust_lr_fn="match_rms_adamw", ns_dtype=ns_dtype, ns_algorithm=algorithm)
         times = _timed_steps(opt, module, mesh, args.steps, args.warmup)
         m = opt.last_step_metrics
-        loads = [ns_cost(opt.plan, r, lambda unit: newton_schulz_flops(unit.rows, unit.cols, 5)) for r in range(world)]
+
+        def flops(unit, dtype=opt.ns_dtype, algorithm=algorithm):
+            resolved = resolve_algorithm(unit.rows, unit.cols, dtype, "cpu") if algorithm == "auto" else algorithm
+            return newton_schulz_flops(unit.rows, unit.cols, 5, resolved)
+
+        loads = [ns_cost(opt.plan, r, flops) for r in range(world)]
         results[label] = dict(
             times=times, bytes_sent=m["muon/bytes_sent"], ns_gflops=m["muon/ns_flops"] / max(m["muon/ns_time_ms"], 1e-9) / 1e6,
             balance=max(loads) / (sum(loads) / world), local_bytes=sum(p.to_local().numel() * 4 for p in module.parameters() if p.ndim == 2),
@@ -206,18 +222,20 @@ def main():
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--torch-muon-steps", type=int, default=1)
+    parser.add_argument("--variants", default="fp32,fp32-standard,bf16",
+                        help=f"titan_muon rows, comma-separated from {sorted(VARIANTS)}; the first is the baseline")  # fmt: skip
+    parser.add_argument("--torch-muon-steps", type=int, default=1, help="0 skips torch.optim.Muon (bf16 NS: slow without AMX)")
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
 
     worlds = [int(w) for w in args.worlds.split(",")]
     mm = mm_gflops(args)
     by_world = {w: run_world(w, args) for w in worlds}
-    torch_muon_ms = torch_muon_one_process(args)
-
-    base = by_world[worlds[0]]["titan_muon"]["median_ms"]
+    torch_muon_ms = torch_muon_one_process(args) if args.torch_muon_steps else None
+    first = VARIANTS[args.variants.split(",")[0]][0]
+    base = by_world[worlds[0]][first]["median_ms"]
     lines = [
-        "| optimizer | W | median step ms | vs titan_muon W=1 | NS GFLOP/s (% of torch.mm) | Muon bytes sent / rank | NS load max/mean |",
+        f"| optimizer | W | median step ms | vs {first} W={worlds[0]} | NS GFLOP/s (% of torch.mm) | Muon bytes sent / rank | NS load max/mean |",
         "|---|---|---|---|---|---|---|",
     ]
     for w, rows in by_world.items():
@@ -225,14 +243,18 @@ def main():
             ns = f"{r['ns_gflops']:.0f} ({100 * r['ns_gflops'] / mm:.0f} %)" if "ns_gflops" in r else "-"
             balance = f"{r['balance']:.3f}" if "balance" in r else "-"
             lines.append(f"| {label} | {w} | {r['median_ms']:.0f} | {base / r['median_ms']:.2f}x | {ns} | {r['bytes_sent'] / 2**20:.1f} MiB | {balance} |")
-    lines.append(f"| torch.optim.Muon (bf16 NS, one process) | 1 | {torch_muon_ms:.0f} | {base / torch_muon_ms:.2f}x | - | 0 | - |")
+    if torch_muon_ms is not None:
+        lines.append(f"| torch.optim.Muon (bf16 NS, one process) | 1 | {torch_muon_ms:.0f} | {base / torch_muon_ms:.2f}x | - | 0 | - |")
 
     ratios = []
     if 2 in by_world:
-        ours2 = by_world[2]["titan_muon"]["median_ms"]
-        ratios.append(f"- titan_muon W=2 vs gather-everything W=2: **{by_world[2]['gather-everything Muon']['median_ms'] / ours2:.2f}x** faster")
+        ours2 = by_world[2][first]["median_ms"]
+        ratios.append(f"- {first} W=2 vs gather-everything W=2: **{by_world[2]['gather-everything Muon']['median_ms'] / ours2:.2f}x** faster")
         if 1 in by_world:
-            ratios.append(f"- titan_muon W=2 vs titan_muon W=1 (same threads per rank): **{by_world[1]['titan_muon']['median_ms'] / ours2:.2f}x** faster")
+            ratios.append(f"- {first} W=2 vs W=1 (same threads per rank): **{by_world[1][first]['median_ms'] / ours2:.2f}x** faster")
+        standard = VARIANTS["fp32-standard"][0]
+        if standard in by_world[2] and first != standard:
+            ratios.append(f"- {first} vs {standard}, W=2: **{by_world[2][standard]['median_ms'] / ours2:.2f}x** faster")
     ratios.append(f"- torch.mm ({args.dim}x{args.dim} @ {args.dim}x{args.ffn}, fp32, {args.threads} thread): {mm:.0f} GFLOP/s")
 
     cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), platform.processor())
