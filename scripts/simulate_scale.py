@@ -769,7 +769,9 @@ No GPU and no process group: the plan (`plan.build_plan`), per-rank tables
 (`plan.rank_schedule`) and every rank's traffic (`Sharding.holders`) come from the functions
 the optimizer runs. Buckets of {config.bucket_mb:g} MiB (and of {config.bucket_mb:g} MiB × W/8, which the optimizer's default max(64, 8·W) MiB gives),
 `buckets_in_flight` = {config.window}, bf16 on the wire and in Newton–Schulz (the GPU
-default `"auto"`); fp32 on the wire doubles every byte figure.
+default `"auto"`); fp32 on the wire doubles every byte figure. NS is costed as the standard
+iteration's FLOPs (`ns_algorithm="standard"`); the default `"auto"` runs Gram NS on MLP and
+k/v shapes, about 0.57× those FLOPs there, so NS times here are upper bounds.
 
 **What is simulated.** The Muon matrices `build_param_groups` picks: attention, dense and
 shared-expert MLPs, and routed experts as one `(experts, out, in)` stack each, one matrix
