@@ -24,6 +24,17 @@ from titan_muon.redistribute import pack
 from titan_muon.transport import Transport
 
 
+def _piece_widths(schedule: BucketSchedule, plan: Plan, params: Sequence, states: dict, blocks: dict, key: str) -> tuple[dict, dict]:
+    """Column ranges of state `key` that each outbound piece (in the parameter-shaped state) and
+    each inbound piece (in the owner's block) covers, keyed by id(piece)."""
+    outbound = {}
+    for piece in schedule.outbound:
+        unit = plan.units[piece.unit]
+        outbound[id(piece)] = _width(piece, unit.cols, _key_cols(states, params, unit.param, key))
+    inbound = {id(piece): _width(piece, plan.units[piece.unit].cols, blocks[piece.unit][key].shape[1]) for piece in schedule.inbound}
+    return outbound, inbound
+
+
 def _width(piece: Piece, unit_cols: int, key_cols: int) -> tuple[int, int]:
     """The columns of a key's matrix that a piece covers."""
     if key_cols == unit_cols:
@@ -57,13 +68,7 @@ def blocks_to_shards(
             example = next(iter(states.values()))[key]
             if example.ndim == 0:
                 continue
-            outbound_widths, inbound_widths = {}, {}
-            for piece in schedule.outbound:
-                unit = plan.units[piece.unit]
-                outbound_widths[id(piece)] = _width(piece, unit.cols, _key_cols(states, params, unit.param, key))
-            for piece in schedule.inbound:
-                unit = plan.units[piece.unit]
-                inbound_widths[id(piece)] = _width(piece, unit.cols, blocks[piece.unit][key].shape[1])
+            outbound_widths, inbound_widths = _piece_widths(schedule, plan, params, states, blocks, key)
             parts = [
                 blocks[p.unit][key][p.rows[0] : p.rows[1], slice(*inbound_widths[id(p)])] for p in schedule.inbound
             ]
@@ -102,13 +107,7 @@ def shards_to_blocks(
                 for u in schedule.owned:  # a per-parameter counter: every rank has it
                     blocks[u][key] = states[params[plan.units[u].param].param][key].clone()
                 continue
-            outbound_widths, inbound_widths = {}, {}
-            for piece in schedule.outbound:
-                unit = plan.units[piece.unit]
-                outbound_widths[id(piece)] = _width(piece, unit.cols, _key_cols(states, params, unit.param, key))
-            for piece in schedule.inbound:
-                unit = plan.units[piece.unit]
-                inbound_widths[id(piece)] = _width(piece, unit.cols, blocks[piece.unit][key].shape[1])
+            outbound_widths, inbound_widths = _piece_widths(schedule, plan, params, states, blocks, key)
             parts = []
             for piece in schedule.outbound:
                 entry = params[plan.units[piece.unit].param]
