@@ -304,17 +304,20 @@ class Muon(Optimizer):
                 if state:
                     continue
                 if not group["use_muon"]:
+                    # On the CPU, as torch.optim.AdamW keeps it when not capturable: the functional
+                    # kernel reads it on the host each step, which on a device would sync it.
                     state["step"] = torch.tensor(0.0, dtype=torch.float32)
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        fresh = self.storage.create_block(1, 1, "meta")  # which keys are tensors, which counters
         for entry in self._muon_params:
             state = self.state[entry.param]
             if self.owner_momentum and entry.sharding is not None:
                 # Momentum lives on the owners; state_dict() lays it out like the parameter.
-                # Here every key holds a 0-dim placeholder (torch's DCP loader reads the keys
-                # from optimizer.state), except the per-parameter counter of stochastic rounding.
-                for key in self.storage.keys:
-                    state.setdefault(key, torch.zeros((), dtype=torch.int64))
+                # Here every tensor key holds a placeholder (torch's DCP loader reads the keys
+                # from optimizer.state); the per-parameter counter of stochastic rounding is real.
+                for key, value in fresh.items():
+                    state.setdefault(key, self._placeholder() if value.ndim > 0 else value.clone())
             elif not state:
                 state.update(self.storage.create(entry.param))
         if self.owner_momentum:
@@ -769,10 +772,14 @@ class Muon(Optimizer):
         if self.owner_momentum:
             self._move_loaded_momentum_to_owners()
 
+    def _placeholder(self) -> Tensor:
+        """A 0-dim stand-in for a momentum tensor its owner holds, on the parameters' device."""
+        return torch.zeros((), dtype=torch.int64, device=self.device)
+
     def _move_loaded_momentum_to_owners(self) -> None:
         sharded = [e for e in self._muon_params if e.sharding is not None]
         tensors = [k for k, v in self.storage.create_block(1, 1, "meta").items() if v.ndim > 0]
-        loaded = [all(self.state[e.param].get(k, torch.zeros(())).ndim > 0 for k in tensors) for e in sharded]
+        loaded = [all(k in self.state[e.param] and self.state[e.param][k].ndim > 0 for k in tensors) for e in sharded]
         if not any(loaded):
             return
         if not all(loaded):
@@ -784,7 +791,7 @@ class Muon(Optimizer):
         )
         for e in sharded:
             for key in tensors:
-                self.state[e.param][key] = torch.zeros((), dtype=torch.int64)  # placeholder again
+                self.state[e.param][key] = self._placeholder()
 
     @staticmethod
     def _process_value_according_to_param_policy(param, value, param_id, param_groups, key=None):
