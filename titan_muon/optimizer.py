@@ -309,15 +309,12 @@ class Muon(Optimizer):
                     state["step"] = torch.tensor(0.0, dtype=torch.float32)
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        fresh = self.storage.create_block(1, 1, "meta")  # which keys are tensors, which counters
         for entry in self._muon_params:
             state = self.state[entry.param]
             if self.owner_momentum and entry.sharding is not None:
                 # Momentum lives on the owners; state_dict() lays it out like the parameter.
-                # Here every tensor key holds a placeholder (torch's DCP loader reads the keys
-                # from optimizer.state); the per-parameter counter of stochastic rounding is real.
-                for key, value in fresh.items():
-                    state.setdefault(key, self._placeholder() if value.ndim > 0 else value.clone())
+                for key, value in self.storage.placeholders(self.device).items():
+                    state.setdefault(key, value)
             elif not state:
                 state.update(self.storage.create(entry.param))
         if self.owner_momentum:
@@ -772,13 +769,9 @@ class Muon(Optimizer):
         if self.owner_momentum:
             self._move_loaded_momentum_to_owners()
 
-    def _placeholder(self) -> Tensor:
-        """A 0-dim stand-in for a momentum tensor its owner holds, on the parameters' device."""
-        return torch.zeros((), dtype=torch.int64, device=self.device)
-
     def _move_loaded_momentum_to_owners(self) -> None:
         sharded = [e for e in self._muon_params if e.sharding is not None]
-        tensors = [k for k, v in self.storage.create_block(1, 1, "meta").items() if v.ndim > 0]
+        tensors = self.storage.tensor_keys
         loaded = [all(k in self.state[e.param] and self.state[e.param][k].ndim > 0 for k in tensors) for e in sharded]
         if not any(loaded):
             return
@@ -790,8 +783,8 @@ class Muon(Optimizer):
             self.storage, self._muon_params, self.plan, self.schedules, self.transport, states, self.device
         )
         for e in sharded:
-            for key in tensors:
-                self.state[e.param][key] = self._placeholder()
+            placeholders = self.storage.placeholders(self.device)
+            self.state[e.param].update({key: placeholders[key] for key in tensors})
 
     @staticmethod
     def _process_value_according_to_param_policy(param, value, param_id, param_groups, key=None):

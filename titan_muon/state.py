@@ -88,6 +88,19 @@ class MomentumStorage:
             raise ValueError(f"momentum block shape must be two non-negative ints, got ({rows!r}, {cols!r})")
         return self._zeros(cols, lambda c, dtype: torch.zeros(rows, c, dtype=dtype, device=device))
 
+    @property
+    def tensor_keys(self) -> tuple[str, ...]:
+        """The keys laid out like the parameter; the others are per-parameter 0-dim counters."""
+        return tuple(k for k, v in self.create_block(1, 1, "meta").items() if v.ndim > 0)
+
+    def placeholders(self, device: torch.device | str) -> dict[str, Tensor]:
+        """The state of a parameter whose momentum its owner holds (overlap): the counters as
+        :meth:`create` makes them and a 0-dim stand-in on `device` for each tensor, so that
+        every key stays in ``optimizer.state``, where torch's DCP loader looks for them."""
+        tensors = self.tensor_keys
+        zeros = self.create_block(0, 0, device)
+        return {k: torch.zeros((), dtype=torch.int64, device=device) if k in tensors else v for k, v in zeros.items()}
+
     def load(self, state: dict) -> Tensor:
         """The momentum of the local rows as an fp32 tensor (rows, cols) to update in place."""
         raise NotImplementedError
