@@ -47,6 +47,18 @@ def apply_test_settings() -> None:
         torch.use_deterministic_algorithms(True)
 
 
+def tiny_run_flags(workdir, dump: str, steps: int, flavor: str = "tiny_gqa") -> list[str]:
+    """titan_muon.train flags of the suite's short torchtitan runs: a tiny model, 64-token
+    sequences, a loss logged every step, the shared offline tokenizer under `workdir`, and
+    output under `workdir / dump`."""
+    return [
+        "--model.flavor", flavor, "--training.seq_len", "64", "--training.local_batch_size", "2",
+        "--training.steps", str(steps), "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1",
+        "--metrics.disable_color_printing", "--model.hf_assets_path", str(workdir / "tokenizer"),
+        "--job.dump_folder", str(workdir / dump),
+    ]  # fmt: skip
+
+
 def trainer_flags() -> list[str]:
     """The same determinism mode for titan_muon.train under torchrun (torchtitan's own switch);
     the thread count reaches its workers through OMP_NUM_THREADS (tests/conftest.py)."""

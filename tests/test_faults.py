@@ -23,7 +23,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torchtitan.config import Checkpoint as CheckpointConfig
 
-from distributed import trainer_flags
+from distributed import tiny_run_flags, trainer_flags
 from titan_muon.torchtitan.checkpoint import CheckpointError, check_before_resume
 from titan_muon.torchtitan.launch import (
     REPO_ROOT, child_pids, finish, is_running, read_losses, start, stop, torchrun_command, wait_for_log,
@@ -43,10 +43,7 @@ def workdir(tmp_path_factory) -> Path:
 
 def tiny(workdir: Path, dump: str, *extra: str) -> list[str]:
     return [
-        "--model.flavor", "tiny_gqa", "--training.seq_len", "64", "--training.local_batch_size", "2",
-        "--training.steps", str(STEPS), "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1",
-        "--metrics.disable_color_printing", "--model.hf_assets_path", str(workdir / "tokenizer"),
-        "--job.dump_folder", str(workdir / dump), "--checkpoint.enable", "--checkpoint.interval", str(INTERVAL),
+        *tiny_run_flags(workdir, dump, STEPS), "--checkpoint.enable", "--checkpoint.interval", str(INTERVAL),
         "--checkpoint.no-last-save-model-only", *trainer_flags(), *extra,
     ]  # fmt: skip
 

@@ -13,7 +13,7 @@ from torch import nn
 from torchtitan.components.loss import cross_entropy_loss
 
 from common import make_params, run_titan
-from distributed import run_distributed
+from distributed import run_distributed, tiny_run_flags
 from pipeline_stages import DP, MUON, SETTINGS, STAGE_SHAPES, STEPS, stage_run
 from titan_muon.split import attention_row_blocks
 from titan_muon.torchtitan.launch import read_losses, read_scalars, run_training
@@ -113,12 +113,7 @@ def workdir(tmp_path_factory) -> Path:
 def tiny(workdir: Path, dump: str, *extra: str) -> list[str]:
     # MuonClip on with a tau so small that heads are clipped every step: recording (per
     # stage, real forwards only) and clipping must match the one-process run too.
-    return [
-        "--model.flavor", "tiny_gqa", "--training.seq_len", "64", "--training.local_batch_size", "2",
-        "--training.steps", str(TRAIN_STEPS), "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1",
-        "--metrics.disable_color_printing", "--model.hf_assets_path", str(workdir / "tokenizer"),
-        "--job.dump_folder", str(workdir / dump), "--optimizer.qk_clip", "--optimizer.qk_clip_tau", "0.05", *extra,
-    ]  # fmt: skip
+    return [*tiny_run_flags(workdir, dump, TRAIN_STEPS), "--optimizer.qk_clip", "--optimizer.qk_clip_tau", "0.05", *extra]
 
 
 # Validation at steps 1 and 4: the pipeline schedule's eval() calls the same loss, without autograd.

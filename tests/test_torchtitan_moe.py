@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+from distributed import tiny_run_flags
 from test_torchtitan_train import RUN_TIMEOUT, copy_checkpoint, one_sequence_corpus
 from titan_muon.torchtitan.data import OFFLINE_DATASETS, STDLIB_DIR, ensure_offline_tokenizer
 from titan_muon.torchtitan.launch import read_losses, read_scalars, run_training
@@ -37,12 +38,7 @@ def data(workdir) -> list[str]:
 
 
 def tiny_moe(workdir: Path, dump: str, data: list[str], *extra: str) -> list[str]:
-    return [
-        "--model.flavor", "tiny_moe", "--training.seq_len", "64", "--training.local_batch_size", "2",
-        "--training.steps", str(STEPS), "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1",
-        "--metrics.disable_color_printing", "--model.hf_assets_path", str(workdir / "tokenizer"),
-        "--job.dump_folder", str(workdir / dump), "--optimizer.qk_clip_tau", "0.05", *data, *extra,
-    ]  # fmt: skip
+    return [*tiny_run_flags(workdir, dump, STEPS, "tiny_moe"), "--optimizer.qk_clip_tau", "0.05", *data, *extra]
 
 
 def train(workdir, dump, data, *extra, nproc=2) -> dict[int, float]:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer
 
-from distributed import trainer_flags
+from distributed import tiny_run_flags, trainer_flags
 from titan_muon.torchtitan.launch import (
     REPO_ROOT, finish, log_tail, read_losses, read_scalars, run_training, start, stop, torchrun_command,
 )  # fmt: skip
@@ -33,12 +33,7 @@ def workdir(tmp_path_factory) -> Path:
 
 
 def tiny(workdir: Path, dump: str, *extra: str) -> list[str]:
-    return [
-        "--model.flavor", "tiny_gqa", "--training.seq_len", "64", "--training.local_batch_size", "2",
-        "--training.steps", str(STEPS), "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1",
-        "--metrics.disable_color_printing", "--model.hf_assets_path", str(workdir / "tokenizer"),
-        "--job.dump_folder", str(workdir / dump), *trainer_flags(), *extra,
-    ]  # fmt: skip
+    return [*tiny_run_flags(workdir, dump, STEPS), *trainer_flags(), *extra]
 
 
 CHECKPOINT_AT_RESUME_STEP = [
