@@ -47,11 +47,14 @@ def gradient_sums(grad: Tensor, first_row: int, first_col: int) -> Tensor:
     """
     if grad.numel() == 0:
         return torch.zeros(SUMS, dtype=torch.float64, device=grad.device)
-    rows = grad.sum(dim=(0, 2), dtype=torch.float64)
-    cols = grad.sum(dim=(0, 1), dtype=torch.float64)
+    # CPU reductions given dtype= convert their input on every pass (one float64 copy first
+    # halves the time, measured); CUDA's convert on the fly, where a copy would only cost memory.
+    wide = grad.double() if grad.device.type == "cpu" else grad
+    rows = wide.sum(dim=(0, 2), dtype=torch.float64)
+    cols = wide.sum(dim=(0, 1), dtype=torch.float64)
     row_index = torch.arange(first_row + 1, first_row + 1 + grad.shape[1], dtype=torch.float64, device=grad.device)
     col_index = torch.arange(first_col + 1, first_col + 1 + grad.shape[2], dtype=torch.float64, device=grad.device)
-    square = grad.float().square().sum(dtype=torch.float64)
+    square = torch.linalg.vector_norm(wide, dtype=torch.float64).square()
     return torch.stack([rows.sum(), rows @ row_index, cols @ col_index, square])
 
 

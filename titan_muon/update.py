@@ -52,6 +52,17 @@ def nesterov_input(grad: Tensor, momentum: Tensor, beta: float, nesterov: bool, 
     return torch.lerp(grad, new, beta, out=out) if nesterov else new
 
 
+def nesterov_input_and_momentum(grad: Tensor, momentum: Tensor, beta: float, nesterov: bool, out: Tensor) -> Tensor:
+    """:func:`nesterov_input` written into `out`, also returning the new momentum M' (a new
+    tensor, bit for bit what :func:`update_momentum_` would make of `momentum`)."""
+    new = torch.lerp(momentum, grad, 1 - beta)
+    if nesterov:
+        torch.lerp(grad, new, beta, out=out)
+    else:
+        out.copy_(new)
+    return new
+
+
 def update_momentum_(momentum: Tensor, grad: Tensor, beta: float) -> Tensor:
     """In place: M ← βM + (1−β)g, the same operation :func:`nesterov_input` applied."""
     return momentum.lerp_(grad, 1 - beta)
