@@ -3,7 +3,8 @@
 Every mode runs in the same processes on the same batches, the modes taking their steps in
 turn (alternating order), so the ratios compare like with like on a shared, noisy machine:
 
-    adamw              torch.optim.AdamW on the FSDP2 shards (torchtitan's default optimizer)
+    adamw              torch.optim.AdamW on the FSDP2 shards, torch's default (for-loop) kernel
+    adamw-fused        the same with fused=True, torchtitan's default implementation
     muon               titan_muon.Muon, all Muon traffic inside step()
     muon+overlap       outbound traffic started from gradient hooks during backward
     muon+fp8           FP8 momentum (row-scaled e4m3, stochastic rounding)
@@ -56,7 +57,7 @@ MALLOC_SETTINGS = {
     "retain": {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**40)},
     "default": {},
 }
-MODES = ("adamw", "muon", "muon+overlap", "muon+fp8", "muon+overlap+fp8")
+MODES = ("adamw", "adamw-fused", "muon", "muon+overlap", "muon+fp8", "muon+overlap+fp8")
 
 
 def build(flavor: str, mesh, seq_len: int):
@@ -75,8 +76,9 @@ def build(flavor: str, mesh, seq_len: int):
 
 
 def optimizer_for(mode: str, model, ns_dtype: str):
-    if mode == "adamw":
-        return torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)
+    if mode.startswith("adamw"):
+        fused = mode == "adamw-fused"  # torchtitan's default optimizer.implementation
+        return torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=fused)
     kwargs = dict(lr=3e-4, weight_decay=0.1, adjust_lr_fn="match_rms_adamw", ns_dtype=ns_dtype, overlap="overlap" in mode)
     if "fp8" in mode:
         kwargs["momentum_dtype"] = "fp8"
@@ -177,10 +179,12 @@ def main():
     os.environ.update(MALLOC_SETTINGS[args.malloc])  # read by the spawned ranks' glibc at start-up
 
     per_rank = run_on_ranks(_rank_main, args.world, args)
+    fused = "adamw-fused" in args.modes.split(",")
     lines = [
         "| tokens/step | mode | step ms | vs AdamW | fwd+bwd ms | optimizer ms | NS ms (share of step) | beyond NS vs AdamW's step | "
-        "Muon bytes/rank to owners: in backward / in step | peak transient MiB | state B/param |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        + ("beyond NS vs fused AdamW's step | " if fused else "")
+        + "Muon bytes/rank to owners: in backward / in step | peak transient MiB | state B/param |",
+        "|---|---|---|---|---|---|---|---|" + ("---|" if fused else "") + "---|---|---|",
     ]
     for accum in args.accum:
         runs = [r[accum] for r in per_rank]
@@ -190,18 +194,19 @@ def main():
 
         modes = list(runs[0])
         base = median("adamw", "step") if "adamw" in modes else None
-        base_opt = median("adamw", "opt") if "adamw" in modes else None
+        base_opts = [median(m, "opt") if m in modes else None for m in ("adamw", "adamw-fused")[: 1 + fused]]
         tokens = args.world * args.batch * args.seq * accum
         for mode in modes:
             step, ns, opt = median(mode, "step"), median(mode, "ns"), median(mode, "opt")
             state = max(r[mode]["state_bytes"] / r[mode]["local_params"] for r in runs)
             ratio = f"{step / base:.2f}x" if base else "-"
-            beyond = f"{beyond_ns(runs, mode, args.steps) / base_opt:.2f}x" if base_opt and mode != "adamw" else "-"
-            comm = f"{median(mode, 'bytes_backward') / 2**20:.1f} / {median(mode, 'bytes_to_owners') / 2**20:.1f} MiB" if mode != "adamw" else "-"
-            peak = f"{median(mode, 'peak') / 2**20:.1f}" if mode != "adamw" else "-"
+            muon = not mode.startswith("adamw")
+            beyond = [f"{beyond_ns(runs, mode, args.steps) / b:.2f}x" if b and muon else "-" for b in base_opts]
+            comm = f"{median(mode, 'bytes_backward') / 2**20:.1f} / {median(mode, 'bytes_to_owners') / 2**20:.1f} MiB" if muon else "-"
+            peak = f"{median(mode, 'peak') / 2**20:.1f}" if muon else "-"
             lines.append(
                 f"| {tokens} | {mode} | {1e3 * step:.0f} | {ratio} | {1e3 * median(mode, 'fwd_bwd'):.0f} | {1e3 * opt:.0f} "
-                f"| {1e3 * ns:.0f} ({100 * ns / step:.0f} %) | {beyond} | {comm} | {peak} | {state:.2f} |"
+                f"| {1e3 * ns:.0f} ({100 * ns / step:.0f} %) | {' | '.join(beyond)} | {comm} | {peak} | {state:.2f} |"
             )
     cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
     command = "python scripts/bench_training.py " + " ".join(sys.argv[1:])

@@ -39,7 +39,7 @@ from titan_muon.plan import BucketSchedule, Plan, Unit, build_plan, rank_schedul
 from titan_muon.redistribute import assemble, disassemble, unpack
 from titan_muon.split import RowBlocks, match_row_blocks, row_block_ranges
 from titan_muon.state import momentum_storage
-from titan_muon.timing import StepTimer
+from titan_muon.timing import StepTimer, phase
 from titan_muon.transport import Exchange, Transport, cached_group, twin_group
 from titan_muon.update import (
     ADJUST_LR_FNS,
@@ -345,16 +345,20 @@ class Muon(Optimizer):
         self.transport.bytes_sent = self.transport.bytes_received = self._outbound_bytes = 0
         self._ensure_state()
         self._align_gradients()
-        verdict = self._agree_on_gradients()  # host read 1
+        with phase("check_gradients"):
+            verdict = self._agree_on_gradients()  # host read 1
         if verdict is None:  # non-finite gradients with nonfinite_grads="skip"
             self.skipped_steps += 1
             self._set_metrics({"muon/skipped_steps": float(self.skipped_steps)})
             return loss
         failure = _StepFailure()
         work = self._exchange_and_orthogonalize(verdict, failure, timer)
-        self._agree_on_success(failure)  # host read 2
-        self._commit(verdict, work)
-        self._adamw_step()
+        with phase("agree_on_success"):
+            self._agree_on_success(failure)  # host read 2
+        with phase("commit"):
+            self._commit(verdict, work)
+        with phase("adamw"):
+            self._adamw_step()
         timer.stop("step")
         self._finish_metrics(work, timer, verdict)
         return loss
@@ -490,9 +494,10 @@ class Muon(Optimizer):
             try:
                 momenta: dict[int, Tensor] = {}  # decoded once per parameter and bucket
                 send = torch.empty(schedule.send_numel, dtype=self.comm_dtype, device=self.device)
-                for piece, slot in zip(schedule.outbound, unpack(schedule, send)):  # written in place
-                    entry = self._muon_params[self.plan.units[piece.unit].param]
-                    self._outbound_source(entry, piece.local, verdict, momenta, out=slot)
+                with phase("pack"):
+                    for piece, slot in zip(schedule.outbound, unpack(schedule, send)):  # written in place
+                        entry = self._muon_params[self.plan.units[piece.unit].param]
+                        self._outbound_source(entry, piece.local, verdict, momenta, out=slot)
             except Exception as error:  # noqa: BLE001 - settled on every rank in _agree_on_success
                 failure.record(error, f"packing bucket {bucket}")
         if send is None:
@@ -530,12 +535,13 @@ class Muon(Optimizer):
         try:
             by_key: dict[tuple, list[tuple[Unit, Tensor]]] = defaultdict(list)
             momenta: dict[int, Tensor] = {}
-            for unit in self._local_units:
-                entry = self._muon_params[unit.param]
-                if id(entry.param) in verdict.skipped:
-                    continue
-                local = (unit.matrix, unit.row_start, unit.row_end)
-                by_key[self._ns_key(unit)].append((unit, self._outbound_source(entry, local, verdict, momenta)))
+            with phase("pack"):
+                for unit in self._local_units:
+                    entry = self._muon_params[unit.param]
+                    if id(entry.param) in verdict.skipped:
+                        continue
+                    local = (unit.matrix, unit.row_start, unit.row_end)
+                    by_key[self._ns_key(unit)].append((unit, self._outbound_source(entry, local, verdict, momenta)))
             for key, members in by_key.items():
                 result = self._newton_schulz(key, torch.stack([m for _, m in members]), timer, work)
                 work.memory.add(result.numel() * result.element_size())  # held until the commit
@@ -552,16 +558,20 @@ class Muon(Optimizer):
         """Assemble the matrices this rank owns in a bucket, orthogonalize them, pack the return trip."""
         schedule = self.schedules[bucket]
         results: dict[int, Tensor] = {}
-        for batch in assemble(schedule, received, self.plan.units, self._ns_key_of_unit):
+        with phase("assemble"):
+            batches = assemble(schedule, received, self.plan.units, self._ns_key_of_unit)
+        for batch in batches:
             matrices = batch.matrices
             if self.owner_momentum:
-                matrices = self._owner_nesterov(batch.units, matrices, scales, work)
+                with phase("owner_momentum"):
+                    matrices = self._owner_nesterov(batch.units, matrices, scales, work)
             workspace = 4 * matrices.numel() * matrices.element_size()  # input, Gram, polynomial, result
             work.memory.add(workspace)
             out = self._newton_schulz(batch.key, matrices, timer, work)
             work.memory.free(workspace)
             results.update(zip(batch.units, out.unbind(0)))
-        return disassemble(schedule, results, self.comm_dtype, self.device)
+        with phase("disassemble"):
+            return disassemble(schedule, results, self.comm_dtype, self.device)
 
     def _owner_nesterov(self, units: list[int], gradients: Tensor, scales: dict[int, float], work: _StepWork) -> Tensor:
         """With momentum on the owners: M ← μM + (1−μ)·c·g on whole matrices (kept for the
@@ -586,12 +596,13 @@ class Muon(Optimizer):
             return
         try:
             schedule = self.schedules[bucket]
-            for piece, update in zip(schedule.outbound, unpack(schedule, received)):
-                entry = self._muon_params[self.plan.units[piece.unit].param]
-                if id(entry.param) in verdict.skipped:
-                    continue
-                m, r0, r1 = piece.local
-                work.updates.append((entry, entry.stack(entry.param)[m, r0:r1], update))
+            with phase("unpack"):
+                for piece, update in zip(schedule.outbound, unpack(schedule, received)):
+                    entry = self._muon_params[self.plan.units[piece.unit].param]
+                    if id(entry.param) in verdict.skipped:
+                        continue
+                    m, r0, r1 = piece.local
+                    work.updates.append((entry, entry.stack(entry.param)[m, r0:r1], update))
         except Exception as error:  # noqa: BLE001 - settled on every rank in _agree_on_success
             failure.record(error, f"receiving bucket {bucket}")
 
@@ -608,7 +619,8 @@ class Muon(Optimizer):
         group = self.param_groups[group_index]
         steps, algorithm = group["ns_steps"], self._ns_algorithm(group, *shape)
         timer.start("ns")
-        ortho = orthogonalize(matrices, steps, group["ns_coefficients"], self.ns_dtype, group["ns_eps"], algorithm)
+        with phase("newton_schulz"):
+            ortho = orthogonalize(matrices, steps, group["ns_coefficients"], self.ns_dtype, group["ns_eps"], algorithm)
         timer.stop("ns")
         work.ns_flops += matrices.shape[0] * newton_schulz_flops(*shape, steps, algorithm)
         scaled = ortho.float().mul_(update_scale(group["adjust_lr_fn"], *shape))

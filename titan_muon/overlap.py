@@ -35,6 +35,7 @@ from torch import Tensor
 
 from titan_muon.plan import BucketSchedule, Plan
 from titan_muon.redistribute import local_views, pack
+from titan_muon.timing import phase
 from titan_muon.transport import Exchange, Transport
 
 SUMS = 4  # Σg, Σ(row+1)g, Σ(col+1)g, Σg²
@@ -140,7 +141,8 @@ class BackwardOverlap:
             rounds = min(self.fires[i] for i in self.params_of[b])
             if rounds >= self.expected[b] and rounds > self.sent_round[b]:
                 self.sent_round[b] = rounds
-                self._launch(b)
+                with phase("backward_send"):
+                    self._launch(b)
 
     def _block_offsets(self, index: int) -> tuple[int, int]:
         entry = self.params[index]

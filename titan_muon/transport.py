@@ -14,6 +14,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from titan_muon.timing import phase
+
 
 @dataclass
 class Exchange:
@@ -26,7 +28,8 @@ class Exchange:
 
     def wait(self) -> Tensor:
         if self.work is not None:
-            self.work.wait()
+            with phase("wait"):
+                self.work.wait()
             self.work = None
         self.sent = None
         return self.received.view(self.dtype)
