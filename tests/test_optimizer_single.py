@@ -272,3 +272,33 @@ def test_empty_matrix_is_refused_by_name(shape):
     named = [{"params": [("w", good), ("layers.0.empty", empty)]}]
     with pytest.raises(ValueError, match="'layers.0.empty' has shape"):
         Muon(named)
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_owner_nesterov_helper_matches_the_step_and_commit_rules(nesterov):
+    """With overlap the owner computes the new momentum and the NS input in one helper; both
+    must be bit for bit what nesterov_input (the step) and update_momentum_ (the commit) give."""
+    from titan_muon.update import nesterov_input, nesterov_input_and_momentum, update_momentum_
+
+    gen = torch.Generator().manual_seed(3)
+    grad, momentum = torch.randn(17, 9, generator=gen), torch.randn(17, 9, generator=gen)
+    out = torch.empty_like(grad)
+    new = nesterov_input_and_momentum(grad, momentum, 0.95, nesterov, out=out)
+    assert torch.equal(out, nesterov_input(grad, momentum, 0.95, nesterov))
+    assert torch.equal(new, update_momentum_(momentum.clone(), grad, 0.95))
+
+
+def test_step_phases_are_named_for_the_profiler():
+    """Every phase a one-process step runs appears as a titan_muon/<phase> range in a trace."""
+    from torch.profiler import ProfilerActivity, profile
+
+    params = make_params()
+    tensors = {n: nn.Parameter(p.clone()) for n, p in params.items()}
+    opt = Muon([{"params": [tensors[n] for n in "abc"]}, {"params": [tensors[n] for n in "de"], "use_muon": False}])
+    for n, g in grads_for(0, params).items():
+        tensors[n].grad = g
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        opt.step()
+    names = {e.key for e in prof.key_averages()}
+    expected = {"check_gradients", "pack", "newton_schulz", "agree_on_success", "commit", "adamw"}
+    assert {f"titan_muon/{p}" for p in expected} <= names
