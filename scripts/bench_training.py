@@ -57,6 +57,15 @@ MALLOC_SETTINGS = {
     "retain": {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**40)},
     "default": {},
 }
+
+
+def use_malloc(setting: str) -> None:
+    """Give the ranks spawned from now on MALLOC_SETTINGS[setting] (glibc reads them at start-up)."""
+    for name in MALLOC_SETTINGS["retain"]:
+        os.environ.pop(name, None)
+    os.environ.update(MALLOC_SETTINGS[setting])
+
+
 MODES = ("adamw", "adamw-fused", "muon", "muon+overlap", "muon+fp8", "muon+overlap+fp8")
 
 
@@ -174,9 +183,7 @@ def main():
                         help="glibc malloc settings of the ranks (see above)")  # fmt: skip
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
-    for name in MALLOC_SETTINGS["retain"]:
-        os.environ.pop(name, None)
-    os.environ.update(MALLOC_SETTINGS[args.malloc])  # read by the spawned ranks' glibc at start-up
+    use_malloc(args.malloc)
 
     per_rank = run_on_ranks(_rank_main, args.world, args)
     fused = "adamw-fused" in args.modes.split(",")

@@ -31,7 +31,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_optimizer import ROOT, run_on_ranks, write_section  # noqa: E402
-from bench_training import FLAVORS, MALLOC_SETTINGS, build, optimizer_for  # noqa: E402
+from bench_training import FLAVORS, MALLOC_SETTINGS, build, optimizer_for, use_malloc  # noqa: E402
 
 PHASES = (
     "check_gradients", "pack", "wait", "assemble", "owner_momentum", "newton_schulz",
@@ -100,9 +100,7 @@ def main():
     parser.add_argument("--malloc", choices=tuple(MALLOC_SETTINGS), default="retain", help="as in bench_training.py")
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
-    for name in MALLOC_SETTINGS["retain"]:
-        os.environ.pop(name, None)
-    os.environ.update(MALLOC_SETTINGS[args.malloc])
+    use_malloc(args.malloc)
 
     ranks = run_on_ranks(_rank_main, args.world, args)
     median = statistics.median

@@ -314,7 +314,7 @@ class Muon(Optimizer):
                 if not group["use_muon"]:
                     # On the CPU, as torch.optim.AdamW keeps it when not capturable: the functional
                     # kernel reads it on the host each step, which on a device would sync it.
-                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                    state["step"] = torch.tensor(0.0, dtype=torch.float32, device="cpu")
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         for entry in self._muon_params:
@@ -394,15 +394,14 @@ class Muon(Optimizer):
         norms = torch._foreach_norm(checked, 2) if checked else []
         if len(checked) == len(grads):  # the usual case: one stack, no per-parameter ops
             missing = torch.zeros(len(grads), dtype=torch.float64, device=self.device)
-            nonfinite = torch.stack(norms).isfinite().logical_not().double()
+            per_param = torch.stack(norms)
         else:
             zero = torch.zeros((), dtype=torch.float64, device=self.device)
             one = torch.ones((), dtype=torch.float64, device=self.device)
             found = iter(norms)
             missing = torch.stack([zero if g is not None else one for g in grads])
-            nonfinite = torch.stack([next(found).double() if g is not None and g.numel() > 0 else zero for g in grads])
-            nonfinite = nonfinite.isfinite().logical_not().double()
-        parts = [missing, nonfinite]
+            per_param = torch.stack([next(found) if g is not None and g.numel() > 0 else zero for g in grads])
+        parts = [missing, per_param.isfinite().logical_not().double()]
         if self._overlap is not None:
             parts.append(self._overlap.gradient_sums())
         status = self.transport.all_reduce(torch.cat(parts))

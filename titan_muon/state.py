@@ -398,7 +398,7 @@ def _i32(value: int) -> int:
 
 def _new_step() -> Tensor:
     """The stochastic-rounding step counter: a CPU int64 scalar, so reading it never syncs a device."""
-    return torch.zeros((), dtype=torch.int64)
+    return torch.zeros((), dtype=torch.int64, device="cpu")
 
 
 # ----------------------------------------------------------------------------- helpers
