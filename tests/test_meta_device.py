@@ -104,6 +104,8 @@ CASES = {
     "overlap-fp8-split": dict(overlap=True, momentum_dtype="fp8", row_blocks={"layers.*.wq": HEAD_DIM}),
     "small-window": dict(buckets_in_flight=1, bucket_size_mb=64),
     "skip-policy": dict(nonfinite_grads="skip"),
+    "adamw-foreach": dict(adamw_implementation="foreach"),
+    "adamw-for-loop": dict(adamw_implementation="for-loop"),
 }
 
 
@@ -115,6 +117,14 @@ def test_step_is_device_clean(case, hsdp):
     assert foreign == [], f"collectives on tensors off the device: {foreign[:3]}"
     assert host_to_device == 0
     assert syncs <= 2
+
+
+@pytest.mark.parametrize("implementation,device", [("fused", "meta"), ("foreach", "cpu"), ("for-loop", "cpu")])
+def test_adamw_step_counter_lives_where_its_kernel_reads_it(implementation, device):
+    """As torch.optim.AdamW keeps it: fused reads it on the device, the others on the host."""
+    _, _, opt = _run(1, adamw_implementation=implementation)
+    steps = [opt.state[p]["step"] for group in opt.param_groups if not group["use_muon"] for p in group["params"]]
+    assert steps and all(step.device.type == device for step in steps)
 
 
 @pytest.mark.parametrize("case", ["fp32", "overlap"])

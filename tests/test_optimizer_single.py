@@ -81,17 +81,61 @@ def test_gram_newton_schulz_matches_the_standard_reference(ns_algorithm):
     assert opt.last_step_metrics["muon/ns_flops"] == expected_flops
 
 
-def test_adamw_groups_match_torch_adamw():
+@pytest.mark.parametrize("implementation", ["fused", "foreach", "for-loop"])
+def test_adamw_groups_match_torch_adamw(implementation):
     params = make_params()
-    ours, _ = run_titan(params, 5, set(), lr=3e-3, weight_decay=0.05, adamw_betas=(0.8, 0.9), adamw_eps=1e-7)
+    settings = dict(lr=3e-3, weight_decay=0.05)
+    ours, _ = run_titan(params, 5, set(), adamw_betas=(0.8, 0.9), adamw_eps=1e-7, adamw_implementation=implementation, **settings)
     tensors = {n: nn.Parameter(p.clone()) for n, p in params.items()}
-    torch_opt = torch.optim.AdamW(list(tensors.values()), lr=3e-3, weight_decay=0.05, betas=(0.8, 0.9), eps=1e-7)
+    kernel = dict(foreach=implementation == "foreach", fused=implementation == "fused")
+    torch_opt = torch.optim.AdamW(list(tensors.values()), betas=(0.8, 0.9), eps=1e-7, **kernel, **settings)
     for s in range(5):
         for n, g in grads_for(s, params).items():
             tensors[n].grad = g
         torch_opt.step()
     # torch's own kernel on the same tensors (ours passes lr, betas, eps through): rounding only.
     assert max_rel(ours, {n: t.detach() for n, t in tensors.items()}) <= 1e-6
+
+
+@pytest.mark.parametrize("momentum_dtype", ["fp32", "bf16", "fp8"])
+@pytest.mark.parametrize("param_dtype", [torch.float32, torch.bfloat16])
+def test_load_state_dict_keeps_muon_state_dtypes(momentum_dtype, param_dtype):
+    """torch.optim.Optimizer.load_state_dict casts floating-point state to the parameter's dtype;
+    Muon's momentum (fp32 under bf16 weights, fp8 codes as uint8) must come back as saved."""
+    shapes = {"w": (16, 24), "b": (24,)}
+    g = torch.Generator().manual_seed(0)
+    tensors = {n: nn.Parameter(torch.randn(s, generator=g).to(param_dtype)) for n, s in shapes.items()}
+
+    def build(ts, implementation="fused"):
+        groups = [{"params": [("w", ts["w"])]}, {"params": [("b", ts["b"])], "use_muon": False}]
+        return Muon(groups, lr=0.01, momentum_dtype=momentum_dtype, adamw_implementation=implementation)
+
+    def set_grads(ts, step):
+        g = torch.Generator().manual_seed(step)
+        for n, t in ts.items():
+            t.grad = torch.randn(t.shape, generator=g).to(param_dtype)
+
+    saved = build(tensors)
+    set_grads(tensors, 0)
+    saved.step()
+    copies = {n: nn.Parameter(t.detach().clone()) for n, t in tensors.items()}
+    loaded = build(copies, implementation="for-loop")  # another AdamW kernel: its step counter moves
+    loaded.load_state_dict(copy.deepcopy(saved.state_dict()))  # torch shares tensors with the dict
+    for key, value in saved.state[tensors["w"]].items():
+        assert loaded.state[copies["w"]][key].dtype == value.dtype, key
+        assert torch.equal(loaded.state[copies["w"]][key], value), key
+    assert loaded.state[copies["b"]]["step"].dtype == torch.float32
+    assert loaded.local_state_bytes() == saved.local_state_bytes()
+    set_grads(tensors, 1)
+    set_grads(copies, 1)
+    saved.step()
+    loaded.step()
+    assert torch.equal(copies["w"], tensors["w"])
+    # One AdamW step by two kernels from the same state: fused rounds the new weight once, the
+    # for-loop kernel after its decay and its update (its fp32 update math differs far below
+    # that): at most two roundings of the largest weight apart.
+    bound = 2 * torch.finfo(param_dtype).eps * tensors["b"].abs().max().item()
+    assert (copies["b"] - tensors["b"]).abs().max().item() <= bound
 
 
 def test_lr_zero_step_creates_state_and_changes_no_parameter():
@@ -135,6 +179,7 @@ def test_non_matrix_in_muon_group_is_named():
         (dict(comm_dtype="int8"), "comm_dtype"),
         (dict(lr=-1.0), "lr"),
         (dict(nonfinite_grads="ignore"), "nonfinite_grads"),
+        (dict(adamw_implementation="apex"), "adamw_implementation"),
     ],
 )
 def test_bad_settings_are_named(kwargs, match):

@@ -51,6 +51,7 @@ def test_unknown_optimizer_key_is_named(tmp_path):
         ("momentum = 1.5", "momentum"),
         ('adamw_patterns = "layers.*"', "adamw_patterns"),
         ('name = "Lion"', "name"),
+        ('implementation = "apex"', "implementation"),
     ],
 )
 def test_invalid_optimizer_value_is_named(tmp_path, line, key):
@@ -105,11 +106,12 @@ def tiny_llama() -> torch.nn.Module:
 def test_container_splits_muon_and_adamw_and_follows_the_lr_schedule():
     config = parse(
         "--optimizer.adamw_lr", "0.004", "--optimizer.adamw_patterns", "layers.0.feed_forward.*",
-        "--optimizer.momentum_dtype", "bf16",
+        "--optimizer.momentum_dtype", "bf16", "--optimizer.implementation", "foreach",
     )  # fmt: skip
     model = tiny_llama()
     container = MuonOptimizersContainer([model], config.optimizer)
     (optimizer,) = container.optimizers
+    assert optimizer.adamw_implementation == "foreach"  # torchtitan's key reaches the AdamW groups
     groups = {group["use_muon"]: group for group in optimizer.param_groups}
     muon_names, adamw_names = set(groups[True]["param_names"]), set(groups[False]["param_names"])
     assert "layers.1.attention.wk.weight" in muon_names

@@ -54,6 +54,7 @@ from titan_muon.update import (
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 DTYPE_CHOICES = (*DTYPES, "auto")
 NONFINITE_POLICIES = ("raise", "skip")
+ADAMW_IMPLEMENTATIONS = ("fused", "foreach", "for-loop")  # the names of TorchTitan's optimizer.implementation
 
 
 @dataclass
@@ -140,6 +141,8 @@ class Muon(Optimizer):
             the Newton–Schulz matmuls.
         comm_dtype: "fp32", "bf16" or "auto" (default: the NS dtype): dtype on the wire.
         adamw_betas, adamw_eps: defaults for AdamW groups ("betas", "eps" group keys).
+        adamw_implementation: torch's AdamW kernel for the AdamW groups: "fused" (default, one
+            kernel per device and dtype, as TorchTitan's AdamW), "foreach" or "for-loop".
         bucket_size_mb: size of one all-to-all bucket (fp32 MiB of whole matrices); default
             max(64, 8 × world size): about 8 MiB per rank and bucket however many ranks share it.
         buckets_in_flight: buckets whose exchange runs ahead of the owners' Newton–Schulz; the
@@ -178,6 +181,7 @@ class Muon(Optimizer):
         row_blocks: Mapping[str, RowBlocks] | None = None,
         overlap: bool = False,
         momentum_dtype: str = "fp32",
+        adamw_implementation: str = "fused",
     ):
         if ns_dtype not in DTYPE_CHOICES:
             _dtype(ns_dtype, "ns_dtype", torch.device("cpu"))
@@ -185,6 +189,10 @@ class Muon(Optimizer):
             _dtype(comm_dtype, "comm_dtype", torch.device("cpu"))
         if nonfinite_grads not in NONFINITE_POLICIES:
             raise ValueError(f"titan_muon.Muon: nonfinite_grads={nonfinite_grads!r}; expected one of {NONFINITE_POLICIES}")
+        if adamw_implementation not in ADAMW_IMPLEMENTATIONS:
+            raise ValueError(
+                f"titan_muon.Muon: adamw_implementation={adamw_implementation!r}; expected one of {ADAMW_IMPLEMENTATIONS}"
+            )
         if bucket_size_mb is not None and not bucket_size_mb > 0:
             raise ValueError(f"titan_muon.Muon: bucket_size_mb must be > 0 (or None for the default), got {bucket_size_mb}")
         if not (isinstance(buckets_in_flight, int) and buckets_in_flight >= 1):
@@ -193,6 +201,7 @@ class Muon(Optimizer):
         self.nonfinite_grads = nonfinite_grads
         self.row_blocks = dict(row_blocks or {})
         self.overlap = overlap
+        self.adamw_implementation = adamw_implementation
         self.storage = momentum_storage(momentum_dtype)
         self.bucket_size_mb = bucket_size_mb
         self.buckets_in_flight = buckets_in_flight
@@ -312,9 +321,7 @@ class Muon(Optimizer):
                 if state:
                     continue
                 if not group["use_muon"]:
-                    # On the CPU, as torch.optim.AdamW keeps it when not capturable: the functional
-                    # kernel reads it on the host each step, which on a device would sync it.
-                    state["step"] = torch.tensor(0.0, dtype=torch.float32, device="cpu")
+                    state["step"] = torch.tensor(0.0, dtype=torch.float32, device=self._adamw_step_device(p))
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         for entry in self._muon_params:
@@ -680,6 +687,11 @@ class Muon(Optimizer):
             group = self.param_groups[group_index]
             apply_updates_(targets, updates, group["lr"], group["weight_decay"])
 
+    def _adamw_step_device(self, p: Tensor) -> torch.device:
+        """Where AdamW's step counter lives, as torch.optim.AdamW keeps it: the fused kernel reads
+        it on the device; the others read it on the host each step, which on a device would sync."""
+        return p.device if self.adamw_implementation == "fused" else torch.device("cpu")
+
     def _adamw_step(self) -> None:
         for group in self.param_groups:
             if group["use_muon"]:
@@ -701,6 +713,7 @@ class Muon(Optimizer):
                 params, grads, exp_avgs, exp_avg_sqs, [], steps,
                 amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
                 weight_decay=group["weight_decay"], eps=group["eps"], maximize=False,
+                foreach=self.adamw_implementation == "foreach", fused=self.adamw_implementation == "fused",
             )  # fmt: skip
 
     # ---------------------------------------------------------------- metrics
@@ -784,10 +797,24 @@ class Muon(Optimizer):
                         f"expected {sorted(expected)} ({'Muon' if group['use_muon'] else 'AdamW'}); "
                         "was the checkpoint written with another optimizer or parameter split?"
                     )
-        super().load_state_dict(state_dict)
+        # torch's loader casts floating-point state to its parameter's dtype, which would make
+        # the fp32 momentum of bf16 parameters bf16 and fp8 codes floats: Muon's state passes
+        # through it wrapped, and is only moved to the parameter's device below.
+        muon_indices = {i for saved, group in zip(saved_groups, self.param_groups) if group["use_muon"] for i in saved["params"]}
+        state = {i: _PassedThrough(value) if i in muon_indices else value for i, value in state_dict["state"].items()}
+        super().load_state_dict({**state_dict, "state": state})
         for group in self.param_groups:  # checkpoints written before a setting existed
             for key, value in self.defaults.items():
                 group.setdefault(key, value)
+            for p in group["params"]:
+                loaded = self.state.get(p)
+                if isinstance(loaded, _PassedThrough):
+                    self.state[p] = {
+                        key: value.to("cpu" if key == "step" else p.device)  # the rounding counter stays on the host
+                        for key, value in loaded.value.items()
+                    }
+                elif loaded and not group["use_muon"]:  # saved under another adamw_implementation perhaps
+                    loaded["step"] = loaded["step"].to(dtype=torch.float32, device=self._adamw_step_device(p))
         for entry in self._muon_params:
             entry.group = self.param_groups[entry.group_index]
         if self.owner_momentum:
@@ -810,13 +837,12 @@ class Muon(Optimizer):
             placeholders = self.storage.placeholders(self.device)
             self.state[e.param].update({key: placeholders[key] for key in tensors})
 
-    @staticmethod
-    def _process_value_according_to_param_policy(param, value, param_id, param_groups, key=None):
-        # torch casts floating-point state to the parameter's dtype on load; Muon's momentum is
-        # fp32 (or encoded) whatever the parameter's dtype, so only move it to the device.
-        if key == "step" or not isinstance(value, Tensor):
-            return Optimizer._process_value_according_to_param_policy(param, value, param_id, param_groups, key)
-        return value.to(device=param.device)
+
+@dataclass
+class _PassedThrough:
+    """State that torch's Optimizer.load_state_dict hands over as it is (it casts only tensors)."""
+
+    value: dict
 
 
 @dataclass

@@ -40,6 +40,7 @@ def muon_kwargs(config: Any) -> dict[str, Any]:
         momentum_dtype=config.momentum_dtype,
         adamw_betas=(config.beta1, config.beta2),
         adamw_eps=config.eps,
+        adamw_implementation=config.implementation,
         bucket_size_mb=config.bucket_size_mb,
         buckets_in_flight=config.buckets_in_flight,
         nonfinite_grads=config.nonfinite_grads,
