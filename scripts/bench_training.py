@@ -5,7 +5,8 @@ turn (alternating order), so the ratios compare like with like on a shared, nois
 
     adamw              torch.optim.AdamW on the FSDP2 shards, torch's default (for-loop) kernel
     adamw-fused        the same with fused=True, torchtitan's default implementation
-    muon               titan_muon.Muon, all Muon traffic inside step()
+    muon               titan_muon.Muon, all Muon traffic inside step(); its AdamW groups
+                       (embeddings, output, norms) run fused AdamW, its default
     muon+overlap       outbound traffic started from gradient hooks during backward
     muon+fp8           FP8 momentum (row-scaled e4m3, stochastic rounding)
     muon+overlap+fp8

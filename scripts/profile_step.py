@@ -2,15 +2,15 @@
 
 The optimizer marks its phases as ``titan_muon/<phase>`` ranges for torch.profiler (the
 same names appear in torchtitan's profiler traces). This script trains torchtitan's llama3
-under FSDP2 on W gloo ranks with Muon and, in the same processes on the same batches, AdamW;
-it times both steps without the profiler, then profiles Muon's step alone and sums each
-phase per step:
+under FSDP2 on W gloo ranks with Muon and, in the same processes on the same batches, AdamW
+with torch's default (for-loop) kernel and with the fused one; it times every step without
+the profiler, then profiles Muon's step alone and sums each phase per step:
 
     python scripts/profile_step.py                     # debug model, 2 k tokens per step
     python scripts/profile_step.py --accum 8           # 16 k tokens per step
 
 "beyond NS" is the unprofiled Muon step minus its Newton-Schulz time, on the rank whose NS
-took longest, against AdamW's whole step (the quantity bench_training.py reports). The
+took longest, against each AdamW's whole step (the quantity bench_training.py reports). The
 phase times are measured under the profiler, which adds about a microsecond per aten call.
 Writes a section of docs/performance.md unless --no-write.
 """
@@ -37,21 +37,22 @@ PHASES = (
     "check_gradients", "pack", "wait", "assemble", "owner_momentum", "newton_schulz",
     "disassemble", "unpack", "agree_on_success", "commit", "adamw",
 )  # fmt: skip
-COLLECTIVE_LAUNCHES = ("c10d::alltoall_base_",)  # the all-reduces run inside two of the phases
+COLLECTIVE_LAUNCHES = ("c10d::alltoall_base_",)
+BASELINES = ("adamw", "adamw-fused")  # torch's default AdamW kernel (for-loop), and torchtitan's default  # the all-reduces run inside two of the phases
 
 
 def _rank_main(rank, world, args):
     mesh = init_device_mesh("cpu", (world,))
     vocab = FLAVORS[args.flavor]["vocab_size"]
     runs = {}
-    for mode in ("adamw", args.mode):
+    for mode in (*BASELINES, args.mode):
         model = build(args.flavor, mesh, args.seq)
         runs[mode] = (model, optimizer_for(mode, model, "auto"))
     timings = {mode: [] for mode in runs}
     ns, phases = [], []
     for step in range(args.warmup + args.steps):
         for mode, (model, opt) in runs.items():
-            for profiled in (False, True) if mode != "adamw" else (False,):
+            for profiled in (False,) if mode in BASELINES else (False, True):
                 gen = torch.Generator().manual_seed(step * world + rank)
                 for _ in range(args.accum):
                     tokens = torch.randint(0, vocab, (args.batch, args.seq + 1), generator=gen)
@@ -69,7 +70,7 @@ def _rank_main(rank, world, args):
                     opt.step()
                     if step >= args.warmup:
                         timings[mode].append(time.perf_counter() - started)
-                        if mode != "adamw":
+                        if mode not in BASELINES:
                             ns.append(opt.last_step_metrics["muon/ns_time_ms"] / 1e3)
                 opt.zero_grad()
     return dict(timings=timings, ns=ns, phases=phases)
@@ -104,7 +105,7 @@ def main():
 
     ranks = run_on_ranks(_rank_main, args.world, args)
     median = statistics.median
-    adamw = median(max(r["timings"]["adamw"][i] for r in ranks) for i in range(args.steps))
+    adamw, fused = (median(max(r["timings"][b][i] for r in ranks) for i in range(args.steps)) for b in BASELINES)
     step = median(max(r["timings"][args.mode][i] for r in ranks) for i in range(args.steps))
     beyond = []
     for i in range(args.steps):
@@ -138,7 +139,8 @@ def main():
         f"malloc {args.malloc}; median of {args.steps} steps after {args.warmup} warm-up; {time.strftime('%Y-%m-%d')}.",
         "",
         f"Unprofiled, same run: Muon step {1e3 * step:.1f} ms, of which beyond NS {1e3 * beyond_ns:.1f} ms; "
-        f"AdamW step {1e3 * adamw:.1f} ms; **beyond NS / AdamW = {beyond_ns / adamw:.2f}×** (goal ≤ 1.2×).",
+        f"AdamW step {1e3 * adamw:.1f} ms (for-loop), {1e3 * fused:.1f} ms (fused); "
+        f"**beyond NS / AdamW = {beyond_ns / adamw:.2f}× (for-loop), {beyond_ns / fused:.2f}× (fused)** (goal ≤ 1.2×).",
         "",
         *lines,
         "",

@@ -11,8 +11,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args, get_type_hints
 
+from titan_muon.optimizer import ADAMW_IMPLEMENTATIONS
+
 OPTIMIZER_NAMES = ("Muon", "AdamW", "Adam")
-TORCHTITAN_IMPLEMENTATIONS = ("fused", "foreach", "for-loop")  # torchtitan's own field; Muon's AdamW groups use it too
 
 
 @dataclass
@@ -129,7 +130,8 @@ def validate_optimizer_config(config: Any) -> None:
         value = getattr(config, key)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             fail(key, "a positive integer")
-    for key, choices in (*_CHOICES.items(), ("implementation", TORCHTITAN_IMPLEMENTATIONS)):
+    # torchtitan's own `implementation` also picks the kernel of Muon's AdamW groups.
+    for key, choices in (*_CHOICES.items(), ("implementation", ADAMW_IMPLEMENTATIONS)):
         if getattr(config, key) not in choices:
             fail(key, f"one of {choices}")
     if config.bucket_size_mb is not None and (not _is_number(config.bucket_size_mb) or config.bucket_size_mb <= 0):
