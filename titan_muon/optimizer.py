@@ -803,16 +803,14 @@ class Muon(Optimizer):
         muon_indices = {i for saved, group in zip(saved_groups, self.param_groups) if group["use_muon"] for i in saved["params"]}
         state = {i: _PassedThrough(value) if i in muon_indices else value for i, value in state_dict["state"].items()}
         super().load_state_dict({**state_dict, "state": state})
-        for group in self.param_groups:  # checkpoints written before a setting existed
-            for key, value in self.defaults.items():
+        tensor_keys = self.storage.tensor_keys  # the rest are counters, kept on the host
+        for group in self.param_groups:
+            for key, value in self.defaults.items():  # checkpoints written before a setting existed
                 group.setdefault(key, value)
             for p in group["params"]:
                 loaded = self.state.get(p)
                 if isinstance(loaded, _PassedThrough):
-                    self.state[p] = {
-                        key: value.to("cpu" if key == "step" else p.device)  # the rounding counter stays on the host
-                        for key, value in loaded.value.items()
-                    }
+                    self.state[p] = {key: value.to(p.device if key in tensor_keys else "cpu") for key, value in loaded.value.items()}
                 elif loaded and not group["use_muon"]:  # saved under another adamw_implementation perhaps
                     loaded["step"] = loaded["step"].to(dtype=torch.float32, device=self._adamw_step_device(p))
         for entry in self._muon_params:
