@@ -3,15 +3,18 @@
 With ``overlap=True`` each sharded matrix's momentum lives whole on its owner, so the only
 thing a rank must send is its gradient pieces — and FSDP2 has those as soon as it fires a
 parameter's post-accumulate-grad hook, long before ``step()``. When every parameter of a
-bucket has fired, the bucket leaves for its owners on a process group of its own (so it
-never queues behind FSDP's collectives), with exactly the bytes ``step()`` would send.
+round has fired, the round leaves for its owners on the exchange engine's outbound lane (a
+communicator of its own, so it never queues behind FSDP's collectives), in fp32: momentum
+is an fp32 accumulator, and ``overlap=False`` builds it from fp32 gradients too. Owners round
+the Nesterov input to the wire dtype, as the shard-side path does, so both modes run
+Newton–Schulz on the same matrices.
 
 What left early may not be what ``step()`` sees:
 
 * gradient clipping scales every gradient by c, known only after backward. Momentum is
   linear in g, so the owner uses c·g_sent; c is measured per matrix, so per-parameter
   scalings are exact too;
-* gradient accumulation fires the hooks once per micro-batch. The bucket is sent on the
+* gradient accumulation fires the hooks once per micro-batch. The round is sent on the
   firing that completed it last step (learned, so one send per step once warmed up); a later
   firing replaces the send (the superseded one is waited for and freed).
 
@@ -20,7 +23,7 @@ rows of every matrix at send time — Σg, Σ(row+1)·g, Σ(col+1)·g (global in
 and again in ``step()``. Summed over ranks (in the step's one all-reduce), c = √(Σg_final² /
 Σg_sent²), and each linear sum must scale by c within its rounding bound: any change other
 than a per-matrix scaling (a gradient modified after its hook, another micro-batch) fails
-the check, and that bucket is sent again from ``step()``. The check costs O(1) memory and
+the check, and that round is sent again from ``step()``. The check costs O(1) memory and
 traffic per matrix and one pass over the gradients.
 """
 
@@ -33,10 +36,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from titan_muon.plan import BucketSchedule, Plan
-from titan_muon.redistribute import local_views, pack
+from titan_muon.exchange import ExchangeEngine, MemoryAccount, StepFailure
+from titan_muon.redistribute import local_piece
 from titan_muon.timing import phase
-from titan_muon.transport import Exchange, Transport
+from titan_muon.transport import Exchange
 
 SUMS = 4  # Σg, Σ(row+1)g, Σ(col+1)g, Σg²
 
@@ -79,14 +82,14 @@ def sum_tolerances(shape: tuple[int, int, int], dtype: torch.dtype) -> list[floa
 @dataclass
 class Launch:
     exchange: Exchange
-    sums: Tensor  # (params of the bucket, SUMS) at send time
-    valid: bool  # False if packing failed on this rank (zeros were sent)
+    sums: Tensor  # (params of the round, SUMS) at send time
+    valid: bool  # False if packing failed on this rank (its buffer travelled but will not be used)
 
 
 @dataclass
 class EarlySends:
-    """What ``step()`` may use: buckets whose gradients arrived during backward, and per
-    bucket and parameter the factor c with g_final = c·g_sent."""
+    """What ``step()`` may use: rounds whose gradients arrived during backward, and per round
+    and parameter the factor c with g_final = c·g_sent."""
 
     arrived: dict[int, Exchange] = field(default_factory=dict)
     scales: dict[int, dict[int, float]] = field(default_factory=dict)
@@ -94,38 +97,49 @@ class EarlySends:
 
 
 class BackwardOverlap:
-    """Gradient hooks that start each bucket's outbound all-to-all during backward.
+    """Gradient hooks that start each round's outbound trip during backward.
 
-    ``params`` are the optimizer's MuonParam entries; ``schedules`` this rank's bucket
-    tables; ``transport`` runs on the twin group.
+    ``params`` are the optimizer's MuonParam entries (all of them, indexed by ``MuonParam.index``);
+    ``engine`` is the exchange engine of one rank set.
     """
 
-    def __init__(self, params, plan: Plan, schedules: tuple[BucketSchedule, ...], transport: Transport, comm_dtype: torch.dtype):
-        self.params, self.plan, self.schedules = params, plan, schedules
-        self.transport, self.comm_dtype = transport, comm_dtype
-        self.params_of = [sorted({plan.units[u].param for u in bucket}) for bucket in plan.buckets]
-        self.buckets_of: dict[int, list[int]] = defaultdict(list)
-        for b, members in enumerate(self.params_of):
+    def __init__(self, params, engine: ExchangeEngine):
+        self.params, self.engine = params, engine
+        plan = engine.plan
+        self.params_of = [sorted({plan.units[u].param for u in members}) for members in plan.rounds]
+        self.rounds_of: dict[int, list[int]] = defaultdict(list)
+        for r, members in enumerate(self.params_of):
             for index in members:
-                self.buckets_of[index].append(b)
-        self.entries = [(b, index) for b, members in enumerate(self.params_of) for index in members]
+                self.rounds_of[index].append(r)
+        self.entries = [(r, index) for r, members in enumerate(self.params_of) for index in members]
         self.entry_start = []
         start = 0
         for members in self.params_of:
             self.entry_start.append(start)
             start += len(members)
-        device = transport.device
         tolerances = [sum_tolerances(_stack_shape(params[i].param), params[i].param.dtype) for _, i in self.entries]
-        self.tolerances = torch.tensor(tolerances, dtype=torch.float64, device=device).reshape(-1, SUMS - 1)
+        self.tolerances = torch.tensor(tolerances, dtype=torch.float64, device=engine.device).reshape(-1, SUMS - 1)
         self.fires: dict[int, int] = defaultdict(int)
-        self.expected = [1] * len(plan.buckets)  # hook rounds that complete a bucket; learned per step
-        self.sent_round = [0] * len(plan.buckets)
+        self.expected = [1] * len(plan.rounds)  # hook rounds that complete a round; learned per step
+        self.sent_round = [0] * len(plan.rounds)
         self.launches: dict[int, Launch] = {}
         self.bytes_sent = 0
         self.handles = [
             params[index].param.register_post_accumulate_grad_hook(lambda _, index=index: self._on_grad_ready(index))
-            for index in sorted(self.buckets_of)
+            for index in sorted(self.rounds_of)
         ]
+
+    @property
+    def rounds(self) -> int:
+        return len(self.engine.tables)
+
+    @property
+    def sums_size(self) -> int:
+        return 2 * self.rounds + 2 * len(self.entries) * SUMS
+
+    @property
+    def decision_size(self) -> int:
+        return 2 * self.rounds + 2 * len(self.entries)
 
     def remove(self) -> None:
         self.drain()
@@ -137,34 +151,34 @@ class BackwardOverlap:
 
     def _on_grad_ready(self, index: int) -> None:
         self.fires[index] += 1
-        for b in self.buckets_of[index]:
-            rounds = min(self.fires[i] for i in self.params_of[b])
-            if rounds >= self.expected[b] and rounds > self.sent_round[b]:
-                self.sent_round[b] = rounds
+        for r in self.rounds_of[index]:
+            fired = min(self.fires[i] for i in self.params_of[r])
+            if fired >= self.expected[r] and fired > self.sent_round[r]:
+                self.sent_round[r] = fired
                 with phase("backward_send"):
-                    self._launch(b)
+                    self._launch(r)
 
     def _block_offsets(self, index: int) -> tuple[int, int]:
-        entry = self.params[index]
-        box = entry.sharding.box(self.transport.rank)
+        box = self.params[index].sharding.box(self.engine.rank)
         return box[1][0], box[2][0]
 
-    def _launch(self, bucket: int) -> None:
-        superseded = self.launches.pop(bucket, None)
+    def _launch(self, r: int) -> None:
+        superseded = self.launches.pop(r, None)
         if superseded is not None:  # a later micro-batch fired the hooks again
             superseded.exchange.wait()
-        schedule = self.schedules[bucket]
+        failure = StepFailure()  # a failed send is sent again from step(), where errors are settled
+        exchange = self.engine.launch(r, torch.float32, self._fill, failure, MemoryAccount())
+        tables = self.engine.tables[r]
+        self.bytes_sent += 4 * (tables.send_numel - tables.send_counts[self.engine.rank])
         try:
-            grads = local_views(schedule.outbound, lambda p: self._grad_stack(self.plan.units[p.unit].param))
-            send = pack(grads, self.comm_dtype, self.transport.device)
-            sums = torch.stack([gradient_sums(self._grad_stack(i), *self._block_offsets(i)) for i in self.params_of[bucket]])
-            valid = True
-        except Exception:  # noqa: BLE001 - the bucket is sent again from step(), where errors are settled collectively
-            send = torch.zeros(schedule.send_numel, dtype=self.comm_dtype, device=self.transport.device)
-            sums = torch.zeros(len(self.params_of[bucket]), SUMS, dtype=torch.float64, device=self.transport.device)
-            valid = False
-        exchange = self.transport.all_to_all(send, schedule.send_counts, schedule.recv_counts)
-        self.launches[bucket] = Launch(exchange, sums, valid)
+            sums = torch.stack([gradient_sums(self._grad_stack(i), *self._block_offsets(i)) for i in self.params_of[r]])
+        except Exception as error:  # noqa: BLE001
+            failure.record(error, "gradient sums")
+            sums = torch.zeros(len(self.params_of[r]), SUMS, dtype=torch.float64, device=self.engine.device)
+        self.launches[r] = Launch(exchange, sums, failure.error is None)
+
+    def _fill(self, piece, slot: Tensor) -> None:
+        slot.copy_(local_piece(self._grad_stack(self.engine.units[piece.unit].param), piece))
 
     def _grad_stack(self, index: int) -> Tensor:
         entry = self.params[index]
@@ -173,36 +187,35 @@ class BackwardOverlap:
     # ------------------------------------------------------------------ step
 
     def gradient_sums(self) -> Tensor:
-        """This rank's part of the step's all-reduce: per bucket "not sent" and "send failed"
-        flags, then per (bucket, parameter) the sums at send time and now."""
-        device = self.transport.device
-        buckets = len(self.schedules)
-        unsent = torch.ones(buckets, dtype=torch.float64, device=device)
-        failed = torch.zeros(buckets, dtype=torch.float64, device=device)
+        """This rank's part of the step's all-reduce: per round "not sent" and "send failed"
+        flags, then per (round, parameter) the sums at send time and now."""
+        device = self.engine.device
+        unsent = torch.ones(self.rounds, dtype=torch.float64, device=device)
+        failed = torch.zeros(self.rounds, dtype=torch.float64, device=device)
         sent = torch.zeros(len(self.entries), SUMS, dtype=torch.float64, device=device)
         final = torch.zeros(len(self.entries), SUMS, dtype=torch.float64, device=device)
         if self.launches:
             now = {}
-            for index in {i for b in self.launches for i in self.params_of[b]}:
+            for index in {i for r in self.launches for i in self.params_of[r]}:
                 if self.params[index].param.grad is not None:
                     now[index] = gradient_sums(self._grad_stack(index), *self._block_offsets(index))
-            for b, launch in self.launches.items():
-                start, members = self.entry_start[b], self.params_of[b]
-                unsent[b] = 0.0
+            for r, launch in self.launches.items():
+                start, members = self.entry_start[r], self.params_of[r]
+                unsent[r] = 0.0
                 if not launch.valid or any(i not in now for i in members):
-                    failed[b] = 1.0
+                    failed[r] = 1.0
                     continue
                 sent[start : start + len(members)] = launch.sums
                 final[start : start + len(members)] = torch.stack([now[i] for i in members])
         return torch.cat([unsent, failed, sent.reshape(-1), final.reshape(-1)])
 
     def compare(self, reduced: Tensor) -> Tensor:
-        """On the device, from the all-reduced sums: per bucket the flags, per (bucket,
+        """On the device, from the all-reduced sums: per round the flags, per (round,
         parameter) whether g_final ≠ c·g_sent and c itself."""
-        buckets, entries = len(self.schedules), len(self.entries)
-        flags = reduced[: 2 * buckets]
-        sent = reduced[2 * buckets : 2 * buckets + entries * SUMS].view(entries, SUMS)
-        final = reduced[2 * buckets + entries * SUMS :].view(entries, SUMS)
+        rounds, entries = self.rounds, len(self.entries)
+        flags = reduced[: 2 * rounds]
+        sent = reduced[2 * rounds : 2 * rounds + entries * SUMS].view(entries, SUMS)
+        final = reduced[2 * rounds + entries * SUMS :].view(entries, SUMS)
         square_sent, square_final = sent[:, 3], final[:, 3]
         scale = torch.where(square_sent > 0, (square_final / square_sent.clamp(min=1e-300)).sqrt(), torch.ones_like(square_sent))
         error = (final[:, :3] - scale[:, None] * sent[:, :3]).abs()
@@ -213,22 +226,23 @@ class BackwardOverlap:
     def decide(self, host: list[float], world: int, usable: bool = True) -> EarlySends:
         """Which early sends ``step()`` uses (the same decision on every rank); waits for and
         drops the others — all of them if the step will not run (not `usable`)."""
-        buckets, entries = len(self.schedules), len(self.entries)
-        unsent, failed = host[:buckets], host[buckets : 2 * buckets]
-        mismatch, scale = host[2 * buckets : 2 * buckets + entries], host[2 * buckets + entries :]
-        uneven = [b for b in range(buckets) if 0 < unsent[b] < world]
+        rounds, entries = self.rounds, len(self.entries)
+        unsent, failed = host[:rounds], host[rounds : 2 * rounds]
+        mismatch, scale = host[2 * rounds : 2 * rounds + entries], host[2 * rounds + entries :]
+        uneven = [r for r in range(rounds) if 0 < unsent[r] < world]
         if uneven:
+            self.drain()
             raise RuntimeError(
-                f"titan_muon.Muon: gradient hooks completed buckets {uneven} on some ranks but not on others during "
+                f"titan_muon.Muon: gradient hooks completed rounds {uneven} on some ranks but not on others during "
                 "backward, so the transfers started then cannot be matched (this happens when ranks leave different "
                 "parameters unused). Build the optimizer with overlap=False."
             )
-        early = EarlySends(bytes_sent=self.transport.bytes_sent)
-        for b, launch in self.launches.items():
-            start, members = self.entry_start[b], self.params_of[b]
-            if usable and failed[b] == 0 and not any(mismatch[start : start + len(members)]):
-                early.arrived[b] = launch.exchange
-                early.scales[b] = dict(zip(members, scale[start : start + len(members)]))
+        early = EarlySends(bytes_sent=self.bytes_sent)
+        for r, launch in self.launches.items():
+            start, members = self.entry_start[r], self.params_of[r]
+            if usable and failed[r] == 0 and not any(mismatch[start : start + len(members)]):
+                early.arrived[r] = launch.exchange
+                early.scales[r] = dict(zip(members, scale[start : start + len(members)]))
             else:
                 launch.exchange.wait()
         self._end_step()
@@ -241,19 +255,24 @@ class BackwardOverlap:
         self._end_step()
 
     def _end_step(self) -> None:
-        for b in range(len(self.schedules)):
-            rounds = min(self.fires[i] for i in self.params_of[b])
-            if rounds:  # next step, send on the firing that completed the bucket this time
-                self.expected[b] = rounds
+        for r in range(self.rounds):
+            fired = min(self.fires[i] for i in self.params_of[r])
+            if fired:  # next step, send on the firing that completed the round this time
+                self.expected[r] = fired
         self.launches.clear()
         self.fires.clear()
-        self.sent_round = [0] * len(self.schedules)
-        self.transport.bytes_sent = self.transport.bytes_received = 0
+        self.sent_round = [0] * self.rounds
+        self.bytes_sent = 0
 
-    def metrics(self, early: EarlySends | None) -> dict[str, float]:
-        if early is None:
-            return {}
-        return {"muon/bytes_sent_in_backward": float(early.bytes_sent), "muon/buckets_sent_in_backward": float(len(early.arrived))}
+
+def metrics(early: list) -> dict[str, float]:
+    sends = [e for e in early if e is not None]
+    if not sends:
+        return {}
+    return {
+        "muon/bytes_sent_in_backward": float(sum(e.bytes_sent for e in sends)),
+        "muon/rounds_sent_in_backward": float(sum(len(e.arrived) for e in sends)),
+    }
 
 
 def _stack_shape(param: Tensor) -> tuple[int, int, int]:

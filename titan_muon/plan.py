@@ -1,16 +1,25 @@
-"""Who orthogonalizes what, and what each rank sends where: pure functions of shapes and placements.
+"""Who orthogonalizes what, in which round, and what each rank sends where: pure functions of shapes and placements.
 
 Newton–Schulz needs whole matrices, but under FSDP2 (and TP, EP) every rank holds only a
 block of each. Every matrix ("unit": a parameter, one expert of a grouped MoE weight, or a
-row block of one when attention heads are split) gets one owner rank. Units are packed into
-buckets in the order backward produces their gradients; per bucket every rank sends the
-pieces it holds to the owners with one ``all_to_all_single``, owners orthogonalize, and a
-second ``all_to_all_single`` with the mirrored split sizes brings each rank its pieces back.
+row block of one when attention heads are split) gets one owner rank, and the units are
+grouped into **rounds** in which every owner has about the same Newton–Schulz work: equal
+units (same cost and size) are dealt out in waves of ``per_owner × W``, each owner taking
+``per_owner`` of them (as many as fit the round's memory budget on the owner), and the few
+left over are packed into mixed rounds, costliest first. Rounds run in the order backward
+finishes their gradients. Per round every rank sends the pieces it holds to the owners with
+one ``all_to_all_single``, owners orthogonalize, and a second ``all_to_all_single`` with the
+mirrored split sizes brings each rank its pieces back.
 
-:func:`build_plan` decides owners and buckets (the same on every rank: the optimizer checks
-a fingerprint once); :func:`rank_schedule` turns the plan into the tables one rank needs per
-step — split sizes and buffer offsets — computed once, so a step only reads them. Nothing
-here touches torch.distributed.
+Because all owners work in every round, a step whose rounds follow each other strictly still
+keeps all W ranks busy: the sum over rounds of the busiest owner's work stays close to the
+total over W (tests/test_plan.py checks it on Llama-3, DeepSeek-V3 and Kimi-K2 shapes up to
+W = 4096).
+
+:func:`build_plan` decides owners and rounds (the same on every rank: the optimizer checks a
+fingerprint once); :func:`rank_tables` turns the plan into the tables one rank needs per step
+— split sizes and buffer offsets — computed once, so a step only reads them. Nothing here
+touches torch.distributed.
 """
 
 from __future__ import annotations
@@ -19,7 +28,7 @@ import functools
 import hashlib
 import heapq
 import itertools
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -64,107 +73,177 @@ class Plan:
     world_size: int
     units: tuple[Unit, ...]
     owners: tuple[int, ...]  # owner rank of each unit
-    buckets: tuple[tuple[int, ...], ...]  # unit indices, in communication order
+    rounds: tuple[tuple[int, ...], ...]  # unit indices, in communication order
 
     def fingerprint(self) -> int:
         """A 63-bit digest of the whole plan, equal on ranks that computed the same plan."""
-        digest = hashlib.sha256(repr((self.world_size, self.units, self.owners, self.buckets)).encode())
+        digest = hashlib.sha256(repr((self.world_size, self.units, self.owners, self.rounds)).encode())
         return int.from_bytes(digest.digest()[:8], "little") >> 1
 
+    def owner_loads(self, costs: Sequence[float]) -> list[list[float]]:
+        """Per round, each owner's total cost."""
+        loads = []
+        for members in self.rounds:
+            row = [0.0] * self.world_size
+            for u in members:
+                row[self.owners[u]] += costs[u]
+            loads.append(row)
+        return loads
 
-def make_buckets(unit_bytes: Sequence[int], bucket_bytes: int) -> list[list[int]]:
-    """Consecutive units, each bucket at most `bucket_bytes` unless a single unit is larger."""
-    buckets: list[list[int]] = []
-    filled = 0
-    for u, size in enumerate(unit_bytes):
-        if not buckets or filled + size > bucket_bytes:
-            buckets.append([])
-            filled = 0
-        buckets[-1].append(u)
-        filled += size
-    return buckets
+    def critical_cost(self, costs: Sequence[float]) -> float:
+        """Σ over rounds of the busiest owner's cost: the Newton–Schulz time of a step whose
+        rounds run strictly one after another (the plan's balance property bounds it)."""
+        return sum(max(row) for row in self.owner_loads(costs))
 
 
-def assign_owners(
-    costs: Sequence[int],
+# A round's level may exceed the even share of the remaining work by this much, so that whole
+# units fill the last round instead of spilling a sliver into one more.
+LEVEL_SLACK = 1.02
+
+
+def build_rounds(
+    costs: Sequence[float],
+    numels: Sequence[int],
     world_size: int,
     *,
-    numels: Sequence[int] | None = None,
+    owner_bytes: Callable[[int], float],
+    round_bytes: float,
     local_pieces: Sequence[dict[int, int]] | None = None,
-    shard_numels: Sequence[int] | None = None,
-    slack: float = 0.05,
-) -> list[int]:
-    """Longest-processing-time greedy on Newton–Schulz cost, aware of bytes.
+) -> tuple[list[list[int]], list[int]]:
+    """Owner-balanced rounds: ``(rounds, owners)``, rounds as lists of unit indices.
 
-    Costliest unit first. Without byte information: to the least loaded rank (lowest on
-    ties), which keeps the busiest owner within the mean plus one unit. With it
-    (``numels[u]``, ``local_pieces[u] = {rank: elements of u that rank holds}``,
-    ``shard_numels[r]``): among the least loaded rank and the ranks holding part of the unit,
-    those whose load stays within ``slack`` × the mean load of the least loaded one are
-    eligible, and the one whose traffic stays lowest against its 2× shard bound wins (ties:
-    more local elements, then less load). A rank sends, per step, its shard's pieces of units
-    owned elsewhere plus the other ranks' pieces of the units it owns: owning u changes that
-    by ``numel(u) − 2 · local(u)``.
+    Units are given in the order backward finishes their gradients; units of equal cost and
+    size form a class and are taken in that order. Each round gets a level: as many units of
+    the costliest remaining class as fit ``round_bytes`` on one owner (``owner_bytes(u)``: what
+    unit u costs its owner in memory during a round), times their cost — but no more than an
+    even share of all the work left, and never less than one unit of that class. Then every class,
+    costliest first, fills the owners up to that level and within the memory budget, least
+    loaded owner first, so an owner that got one big matrix and one that got many small ones
+    do about the same work. A class with at least ``per_owner × world_size`` units left fills a
+    round alone, exactly ``per_owner`` per owner. Rounds are ordered by the last unit they wait for.
+
+    ``local_pieces[u] = {rank: elements of u that rank holds}`` lets a unit held mostly by one
+    rank (an MoE expert under expert parallelism) stay with that rank when it has room: it then
+    sends nothing for that unit.
     """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
     owners = [-1] * len(costs)
-    loads = [0] * world_size
-    heap = [(0, r) for r in range(world_size)]  # (load, rank); every change of a load pushes a fresh entry
-    byte_aware = numels is not None and local_pieces is not None and shard_numels is not None
-    sent = list(shard_numels) if byte_aware else []
-    margin = slack * sum(costs) / max(world_size, 1)
-    for u in sorted(range(len(costs)), key=lambda u: (-costs[u], u)):
-        while heap[0][0] != loads[heap[0][1]]:  # stale: that rank's current load was pushed when it changed
-            heapq.heappop(heap)
-        least = heap[0][1]
-        rank = least
-        if byte_aware:
-            candidates = {least, *local_pieces[u]}
+    grouped: dict[tuple[float, int], list[int]] = defaultdict(list)
+    for u in range(len(costs)):
+        grouped[(costs[u], numels[u])].append(u)
+    classes = [_Class(cost, owner_bytes(members[0]), members) for (cost, _), members in sorted(grouped.items(), key=lambda kv: (-kv[0][0], -kv[0][1]))]
+    rounds: list[list[int]] = []
+    while True:
+        classes = [c for c in classes if c.left]
+        if not classes:
+            break
+        top = classes[0]
+        by_memory = top.cost * max(1, int(round_bytes // max(top.bytes, 1.0)))
+        even_share = sum(c.cost * c.left for c in classes) / world_size
+        level = max(top.cost, min(by_memory, LEVEL_SLACK * even_share))
+        loads, memory = [0.0] * world_size, [0.0] * world_size
+        taken: list[int] = []
+        for c in classes:
+            taken += _fill(c, level, round_bytes, loads, memory, local_pieces, owners, rotate=len(rounds))
+        rounds.append(sorted(taken))
+    rounds.sort(key=lambda r: (r[-1], r[0]))
+    return rounds, owners
 
-            def score(r: int) -> tuple:
-                after = sent[r] + numels[u] - 2 * local_pieces[u].get(r, 0)
-                return (max(0, after - 2 * shard_numels[r]), -local_pieces[u].get(r, 0), loads[r], r)
 
-            eligible = [r for r in candidates if loads[r] <= loads[least] + margin]
-            rank = min(eligible, key=score)
-            sent[rank] += numels[u] - 2 * local_pieces[u].get(rank, 0)
-        owners[u] = rank
-        loads[rank] += costs[u]
-        heapq.heappush(heap, (loads[rank], rank))
-    return owners
+class _Class:
+    """Interchangeable units (equal cost and size), in backward order; `next` is the first not yet placed."""
+
+    def __init__(self, cost: float, nbytes: float, members: list[int]):
+        self.cost, self.bytes, self.members, self.next = cost, nbytes, members, 0
+
+    @property
+    def left(self) -> int:
+        return len(self.members) - self.next
+
+
+def _fill(c: _Class, level, round_bytes, loads, memory, local_pieces, owners, rotate: int) -> list[int]:
+    """Place units of class `c` on owners with room under `level` and `round_bytes` (an owner
+    with nothing yet always takes one); returns the units placed."""
+    world = len(loads)
+    room = [0] * world
+    for r in range(world):
+        if loads[r] == 0:
+            by_cost = max(1, int((level + 1e-9 * level) // c.cost)) if c.cost > 0 else c.left
+            by_memory = max(1, int(round_bytes // max(c.bytes, 1.0)))
+        else:
+            by_cost = int((level - loads[r] + 1e-9 * level) // c.cost) if c.cost > 0 else c.left
+            by_memory = int((round_bytes - memory[r]) // max(c.bytes, 1.0))
+        room[r] = max(0, min(by_cost, by_memory))
+    count = min(c.left, sum(room))
+    if count == 0:
+        return []
+    units = c.members[c.next : c.next + count]
+    c.next += count
+    placed: dict[int, int] = {}
+    rest = []
+    for u in units:  # a unit held mostly by one rank stays there if that rank has room
+        holder = next((r for r in _concentrated_holders(u, local_pieces, world) if room[r] > placed.get(r, 0)), None)
+        if holder is None:
+            rest.append(u)
+        else:
+            owners[u] = holder
+            placed[holder] = placed.get(holder, 0) + 1
+    # the rest one at a time to the least loaded rank with room (ties: a rotating start, so
+    # successive rounds do not always favour the same ranks)
+    heap = [(loads[r] + placed.get(r, 0) * c.cost, (r - rotate) % world, r) for r in range(world) if room[r] > placed.get(r, 0)]
+    heapq.heapify(heap)
+    for u in rest:
+        load, key, r = heapq.heappop(heap)
+        owners[u] = r
+        placed[r] = placed.get(r, 0) + 1
+        if room[r] > placed[r]:
+            heapq.heappush(heap, (load + c.cost, key, r))
+    for r, n in placed.items():
+        loads[r] += n * c.cost
+        memory[r] += n * c.bytes
+    return units
+
+
+def _concentrated_holders(u: int, local_pieces, world: int) -> list[int]:
+    """Ranks holding at least twice an even share of unit u, most elements first."""
+    if local_pieces is None or world == 1 or not local_pieces[u]:
+        return []
+    pieces = local_pieces[u]
+    numel = sum(pieces.values())
+    return sorted((r for r, n in pieces.items() if n * world >= 2 * numel), key=lambda r: (-pieces[r], r))
 
 
 def build_plan(
     units: Sequence[Unit],
     shardings: Sequence[Sharding],
     world_size: int,
-    bucket_bytes: int,
-    cost: Callable[[Unit], int] | None = None,
+    round_bytes: float,
+    cost: Callable[[Unit], float] | None = None,
+    owner_bytes_per_element: float = 20.0,
     max_holders: int = 8,
 ) -> Plan:
-    """Bucket `units` in the given order (4-byte elements for sizing) and give each an owner.
+    """Owners and rounds for `units` (given in backward order).
 
     ``shardings[unit.param]`` says which ranks hold which part of each unit; ``cost(unit)`` is
-    its Newton–Schulz cost (default: FLOPs of 5 standard steps). Units spread over more
-    than ``max_holders`` ranks gain nothing from locality and are placed on load alone.
+    its Newton–Schulz cost (default: FLOPs of 5 standard steps). ``round_bytes`` is the memory
+    one round may take on an owner, where a unit takes ``owner_bytes_per_element`` bytes per
+    element (received pieces, the assembled matrix, Newton–Schulz workspace, its result and
+    return buffer). Units spread over more than ``max_holders`` ranks gain nothing from
+    locality and are placed on load alone.
     """
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
     cost = cost or (lambda unit: newton_schulz_flops(unit.rows, unit.cols, 5))
-    buckets = make_buckets([4 * unit.numel for unit in units], bucket_bytes)
     costs = [cost(unit) for unit in units]
+    numels = [unit.numel for unit in units]
     local_pieces = []
     for unit in units:
         holders = list(itertools.islice(shardings[unit.param].holders(unit.box), max_holders + 1))
         local_pieces.append({} if len(holders) > max_holders else {r: box_numel(piece) for r, piece in holders})
-    shard_numels = [0] * world_size
-    repeats = Counter(shardings[param] for param in {u.param for u in units})  # models repeat a few shardings
-    for sharding, count in repeats.items():
-        for r in range(world_size):
-            shard_numels[r] += count * box_numel(sharding.box(r))
-    owners = assign_owners(
-        costs, world_size, numels=[u.numel for u in units], local_pieces=local_pieces, shard_numels=shard_numels
-    )
-    return Plan(world_size, tuple(units), tuple(owners), tuple(tuple(b) for b in buckets))
+    rounds, owners = build_rounds(
+        costs, numels, world_size, owner_bytes=lambda u: numels[u] * owner_bytes_per_element,
+        round_bytes=round_bytes, local_pieces=local_pieces,
+    )  # fmt: skip
+    return Plan(world_size, tuple(units), tuple(owners), tuple(tuple(r) for r in rounds))
 
 
 # ------------------------------------------------------------------ per-rank tables
@@ -197,16 +276,16 @@ class Piece:
 
 
 @dataclass(frozen=True)
-class BucketSchedule:
-    """One rank's view of one bucket. The return trip uses the same tables mirrored:
+class RoundTables:
+    """One rank's view of one round. The return trip uses the same tables mirrored:
     owners send ``inbound``'s layout back with ``recv_counts`` as split sizes, and this rank
     receives its updates in ``outbound``'s layout."""
 
     send_counts: tuple[int, ...]
     recv_counts: tuple[int, ...]
-    outbound: tuple[Piece, ...]  # ordered by owner, then bucket order
-    inbound: tuple[Piece, ...]  # pieces of owned units, ordered by source rank, then bucket order
-    owned: tuple[int, ...]  # units this rank owns, bucket order
+    outbound: tuple[Piece, ...]  # ordered by owner, then round order
+    inbound: tuple[Piece, ...]  # pieces of owned units, ordered by source rank, then round order
+    owned: tuple[int, ...]  # units this rank owns, round order
 
     @property
     def send_numel(self) -> int:
@@ -217,11 +296,11 @@ class BucketSchedule:
         return sum(self.recv_counts)
 
 
-def bucket_schedule(
-    plan: Plan, shardings: Sequence[Sharding], bucket: int, rank: int, boxes: Sequence[Box] | None = None
-) -> BucketSchedule:
-    """`rank`'s tables for one bucket; ``boxes[param]`` (optional) is `rank`'s block of each parameter."""
-    members = plan.buckets[bucket]
+def round_tables(
+    plan: Plan, shardings: Sequence[Sharding], round_index: int, rank: int, boxes: Sequence[Box] | None = None
+) -> RoundTables:
+    """`rank`'s tables for one round; ``boxes[param]`` (optional) is `rank`'s block of each parameter."""
+    members = plan.rounds[round_index]
     send_counts: dict[int, int] = {}  # peer -> elements; most peers get nothing
     recv_counts: dict[int, int] = {}
     outbound_raw = []
@@ -234,7 +313,7 @@ def bucket_schedule(
         (m0, _), (r0, r1), (c0, c1) = piece
         local = (m0 - mine[0][0], r0 - mine[1][0], r1 - mine[1][0])
         outbound_raw.append((plan.owners[u], u, (r0 - unit.row_start, r1 - unit.row_start), (c0, c1), local))
-    outbound_raw.sort(key=lambda p: p[0])  # stable: bucket order within an owner
+    outbound_raw.sort(key=lambda p: p[0])  # stable: round order within an owner
     outbound, offset = [], 0
     for owner, u, rows, cols, local in outbound_raw:
         piece = Piece(u, owner, offset, rows, cols, local)
@@ -256,15 +335,15 @@ def bucket_schedule(
         recv_counts[src] = recv_counts.get(src, 0) + piece.numel
         offset += piece.numel
     world = plan.world_size
-    return BucketSchedule(
+    return RoundTables(
         split_sizes(send_counts, world), split_sizes(recv_counts, world), tuple(outbound), tuple(inbound), owned
     )
 
 
-def rank_schedule(plan: Plan, shardings: Sequence[Sharding], rank: int) -> tuple[BucketSchedule, ...]:
-    """Everything `rank` needs per step, bucket by bucket: computed once, read every step."""
+def rank_tables(plan: Plan, shardings: Sequence[Sharding], rank: int) -> tuple[RoundTables, ...]:
+    """Everything `rank` needs per step, round by round: computed once, read every step."""
     boxes = [sharding.box(rank) for sharding in shardings]
-    return tuple(bucket_schedule(plan, shardings, b, rank, boxes) for b in range(len(plan.buckets)))
+    return tuple(round_tables(plan, shardings, r, rank, boxes) for r in range(len(plan.rounds)))
 
 
 @functools.lru_cache(maxsize=8)
@@ -274,8 +353,7 @@ def _no_traffic(world: int) -> tuple[int, ...]:
 
 def split_sizes(counts: dict[int, int], world: int) -> tuple[int, ...]:
     """Per-peer element counts as the dense tuple ``all_to_all_single`` takes. A rank takes no
-    part in most buckets of a large model (one MoE expert per bucket at W = 1024): those share
-    one all-zero tuple, so the tables stay small."""
+    part in some rounds of a large model: those share one all-zero tuple, so the tables stay small."""
     if not counts:
         return _no_traffic(world)
     dense = [0] * world
@@ -294,7 +372,7 @@ def _intersection(a: Box, b: Box) -> Box | None:
     return tuple(out)
 
 
-def elements_sent(schedules: Sequence[BucketSchedule], rank: int) -> int:
+def elements_sent(schedules: Sequence[RoundTables], rank: int) -> int:
     """Elements `rank` puts on the wire per step (outbound + return trip), self excluded."""
     return sum(
         s.send_numel - s.send_counts[rank] + s.recv_numel - s.recv_counts[rank] for s in schedules

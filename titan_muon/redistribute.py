@@ -1,38 +1,78 @@
-"""Moving pieces between local shards and whole matrices, following a rank's BucketSchedule.
+"""Moving pieces between local shards and whole matrices, following a rank's RoundTables.
 
-Pure tensor functions (no torch.distributed): ``step()`` and the backward-overlap hooks both
-use them, and tests drive them with several simulated ranks in one process. A bucket's
-round trip, on every rank::
+Pure tensor functions (no torch.distributed), used by ``step()``, the backward-overlap hooks
+and checkpoint conversion alike, and driven by tests with several simulated ranks in one
+process. A round trip, on every rank::
 
-    send = pack(views of my outbound pieces)                        # ordered by owner
-    received = all_to_all(send, schedule.send_counts, schedule.recv_counts)
-    batches = assemble(schedule, received, ...)                     # whole matrices I own
-    back = disassemble(schedule, results)                           # ordered by source
-    mine = all_to_all(back, schedule.recv_counts, schedule.send_counts)
-    updates = unpack(schedule, mine)                                # one view per outbound piece
+    send = buffer of send_numel; for piece, slot in outbound_slots(tables, send): slot.copy_(my piece)
+    received = all_to_all(send, tables.send_counts, tables.recv_counts)
+    batches = assemble(tables, received, ...)                   # whole matrices I own
+    back = disassemble(tables, results)                         # ordered by source
+    mine = all_to_all(back, tables.recv_counts, tables.send_counts)
+    for piece, update in outbound_slots(tables, mine): ...      # one view per outbound piece
 
+The tables are walked in exactly two ways — :func:`outbound_slots` (the pieces this rank
+holds, ordered by owner) and :func:`inbound_slots` (the pieces of the units it owns, ordered
+by source rank) — and everything else is built on them. A ``column_map`` moves a walk to a
+state tensor whose columns are not the parameter's (fp8 momentum's per-block exponents).
 Each function costs a constant number of tensor ops per piece or per batch, no host reads.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from titan_muon.plan import BucketSchedule, Piece, Unit
+from titan_muon.plan import Piece, RoundTables, Unit
+
+ColumnMap = Callable[[Piece], tuple[int, int]]  # a piece's columns in the walked tensor
 
 
-def local_views(pieces: Sequence[Piece], stack_of: Callable[[Piece], Tensor]) -> list[Tensor]:
-    """Each outbound piece as a (rows, local cols) view of its parameter's local (matrices, rows, cols) stack."""
-    return [stack_of(p)[p.local[0], p.local[1] : p.local[2]] for p in pieces]
+def piece_columns(piece: Piece) -> tuple[int, int]:
+    return piece.cols
+
+
+def _slots(pieces: Sequence[Piece], buffer: Tensor, column_map: ColumnMap) -> Iterator[tuple[Piece, Tensor]]:
+    offset = 0
+    for piece in pieces:
+        lo, hi = column_map(piece)
+        shape = (piece.rows[1] - piece.rows[0], hi - lo)
+        size = shape[0] * shape[1]
+        yield piece, buffer[offset : offset + size].view(shape)
+        offset += size
+
+
+def outbound_slots(tables: RoundTables, buffer: Tensor, column_map: ColumnMap = piece_columns) -> Iterator[tuple[Piece, Tensor]]:
+    """(piece, (rows, cols) view of `buffer`) for each piece this rank holds, in send order."""
+    return _slots(tables.outbound, buffer, column_map)
+
+
+def inbound_slots(tables: RoundTables, buffer: Tensor, column_map: ColumnMap = piece_columns) -> Iterator[tuple[Piece, Tensor]]:
+    """(piece, (rows, cols) view of `buffer`) for each piece of the units this rank owns, by source rank."""
+    return _slots(tables.inbound, buffer, column_map)
+
+
+def split_counts(pieces: Sequence[Piece], world: int, column_map: ColumnMap = piece_columns) -> tuple[int, ...]:
+    """Elements per peer of `pieces` under `column_map` (the tables' own counts for the identity)."""
+    counts = [0] * world
+    for piece in pieces:
+        lo, hi = column_map(piece)
+        counts[piece.peer] += (piece.rows[1] - piece.rows[0]) * (hi - lo)
+    return tuple(counts)
+
+
+def local_piece(stack: Tensor, piece: Piece) -> Tensor:
+    """An outbound piece's rows of this rank's local (matrices, rows, cols) stack."""
+    m, r0, r1 = piece.local
+    return stack[m, r0:r1]
 
 
 def pack(parts: Sequence[Tensor], dtype: torch.dtype, device: torch.device) -> Tensor:
-    """One flat send buffer holding `parts` back to back, in `dtype`."""
+    """One flat buffer holding `parts` back to back, in `dtype`."""
     if not parts:
         return torch.empty(0, dtype=dtype, device=device)
     flat = [p.reshape(-1) for p in parts]
@@ -52,50 +92,41 @@ class Batch:
 
 
 def assemble(
-    schedule: BucketSchedule,
+    tables: RoundTables,
     received: Tensor,
     units: Sequence[Unit],
     key_of: Callable[[int], Hashable],
     dtype: torch.dtype = torch.float32,
 ) -> list[Batch]:
-    """The whole matrices of the units this rank owns in the bucket, grouped by `key_of(unit)`.
+    """The whole matrices of the units this rank owns in the round, grouped by `key_of(unit)`.
 
-    `received` is the bucket's inbound buffer (pieces ordered by source rank). Units whose
-    pieces all span full rows (FSDP / expert sharding) are stacked with one ``torch.cat`` per
-    batch; pieces that cover only some columns (tensor parallel) are copied into place.
+    `received` is the round's inbound buffer. Units whose pieces all span full rows (FSDP /
+    expert sharding) are stacked with one ``torch.cat`` per batch; pieces that cover only some
+    columns (tensor parallel) are copied into place.
     """
-    pieces_of: dict[int, list[Piece]] = defaultdict(list)
-    for piece in schedule.inbound:
-        pieces_of[piece.unit].append(piece)
+    views: dict[int, list[tuple[Piece, Tensor]]] = defaultdict(list)
+    for piece, view in inbound_slots(tables, received):
+        views[piece.unit].append((piece, view))
     groups: dict[Hashable, list[int]] = defaultdict(list)
-    for u in schedule.owned:
+    for u in tables.owned:
         groups[key_of(u)].append(u)
 
     batches = []
     for key, members in groups.items():
         rows, cols = units[members[0]].shape
-        views = [
-            (piece, received[piece.offset : piece.offset + piece.numel].view(piece.shape))
-            for u in members
-            for piece in sorted(pieces_of[u], key=lambda p: (p.rows[0], p.cols[0]))
-        ]
-        if all(piece.cols == (0, cols) for piece, _ in views):
-            matrices = torch.cat([v for _, v in views]).to(dtype).view(len(members), rows, cols)
+        ordered = [pv for u in members for pv in sorted(views[u], key=lambda pv: (pv[0].rows[0], pv[0].cols[0]))]
+        if all(piece.cols == (0, cols) for piece, _ in ordered):
+            matrices = torch.cat([v for _, v in ordered]).to(dtype).view(len(members), rows, cols)
         else:
             matrices = torch.empty(len(members), rows, cols, dtype=dtype, device=received.device)
             slot = {u: i for i, u in enumerate(members)}
-            for piece, view in views:
+            for piece, view in ordered:
                 matrices[slot[piece.unit], piece.rows[0] : piece.rows[1], piece.cols[0] : piece.cols[1]] = view
         batches.append(Batch(key, members, matrices))
     return batches
 
 
-def disassemble(schedule: BucketSchedule, results: dict[int, Tensor], dtype: torch.dtype, device: torch.device) -> Tensor:
+def disassemble(tables: RoundTables, results: dict[int, Tensor], dtype: torch.dtype, device: torch.device) -> Tensor:
     """The return buffer: each source rank's pieces of the owned units' results, in inbound order."""
-    parts = [results[p.unit][p.rows[0] : p.rows[1], p.cols[0] : p.cols[1]] for p in schedule.inbound]
-    return pack(parts, dtype, device)
-
-
-def unpack(schedule: BucketSchedule, received: Tensor) -> list[Tensor]:
-    """One (rows, cols) view per outbound piece of the bucket's returned buffer."""
-    return [received[p.offset : p.offset + p.numel].view(p.shape) for p in schedule.outbound]
+    parts = [results[p.unit][p.rows[0] : p.rows[1], p.cols[0] : p.cols[1]] for p in tables.inbound]
+    return pack(parts, dtype, device)  # one concatenation in inbound (slot) order

@@ -76,7 +76,7 @@ class MomentumStorage:
         """Zero state for ``param``: a 2-D matrix or a 3-D stack of matrices (MoE experts), plain
         or a DTensor whose placements give each rank one block (FSDP, TP, EP; see layout.py)."""
         _check_param(param)
-        return self._zeros(param.shape[-1], lambda cols, dtype: _like_param(param, cols, dtype, self._local_columns))
+        return self._zeros(param.shape[-1], lambda cols, dtype: _like_param(param, cols, dtype, self.state_columns))
 
     def create_block(self, rows: int, cols: int, device: torch.device | str) -> dict[str, Tensor]:
         """Zero state of plain tensors for a (rows, cols) block of rows held by one rank.
@@ -123,7 +123,7 @@ class MomentumStorage:
         """The state dict; ``zeros_with_rows(cols, dtype)`` makes a zero tensor with the rows."""
         raise NotImplementedError
 
-    def _local_columns(self, width: int, cols: int, col_range: tuple[int, int]) -> tuple[int, int]:
+    def state_columns(self, width: int, cols: int, col_range: tuple[int, int]) -> tuple[int, int]:
         """Columns [start, stop) of a state tensor `width` wide that a rank holds when its
         parameter block spans columns `col_range` of `cols`: the parameter's own by default."""
         if width != cols:
@@ -211,7 +211,7 @@ class Fp8Storage(MomentumStorage):
             "step": _new_step(),
         }
 
-    def _local_columns(self, width, cols, col_range):
+    def state_columns(self, width, cols, col_range):
         if width == cols:
             return col_range
         start, stop = col_range  # exponents: one per block of block_cols columns of the whole matrix

@@ -39,6 +39,15 @@ class Exchange:
         return self.received.numel() + (0 if self.sent is None else self.sent.numel())
 
 
+def _used_by_default_stream(*tensors: Tensor) -> None:
+    if tensors[0].device.type != "cuda":
+        return
+    default = torch.cuda.default_stream(tensors[0].device)
+    if torch.cuda.current_stream(tensors[0].device) != default:
+        for t in tensors:
+            t.record_stream(default)
+
+
 class Transport:
     """Muon's collectives over one process group (None: a single process), on one device."""
 
@@ -60,14 +69,24 @@ class Transport:
             self._byte_splits[key] = ([c * itemsize for c in counts], itemsize * (sum(counts) - counts[self.rank]))
         return self._byte_splits[key]
 
-    def all_to_all(self, send: Tensor, send_counts: tuple[int, ...], recv_counts: tuple[int, ...]) -> Exchange:
-        """Start an uneven all-to-all of `send` (1-D, counts in elements); returns at once."""
+    def all_to_all(
+        self, send: Tensor, send_counts: tuple[int, ...], recv_counts: tuple[int, ...], recv: Tensor | None = None
+    ) -> Exchange:
+        """Start an uneven all-to-all of `send` (1-D, counts in elements); returns at once.
+
+        `recv` (uint8, optional) receives; otherwise a buffer is allocated. On CUDA, buffers
+        made on another stream than the default one (FSDP2 runs the backward hooks on its
+        post-reduce stream) are marked as used by the default stream, where ``step()`` reads
+        them, so the caching allocator cannot hand their memory out early.
+        """
         itemsize = send.element_size()
         if self.group is None:
             return Exchange(send.view(torch.uint8), None, send.dtype)
         recv_splits, received = self._split_bytes(tuple(recv_counts), itemsize)
         send_splits, sent = self._split_bytes(tuple(send_counts), itemsize)
-        recv = torch.empty(sum(recv_splits), dtype=torch.uint8, device=self.device)
+        if recv is None:
+            recv = torch.empty(sum(recv_splits), dtype=torch.uint8, device=self.device)
+        _used_by_default_stream(recv, send)
         self.bytes_sent += sent
         self.bytes_received += received
         send_bytes = send.contiguous().view(torch.uint8)
@@ -104,14 +123,17 @@ class Transport:
             )
 
 
-_TWIN_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
+_LANE_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
 
 
-def twin_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
-    """A second process group over `group`'s ranks, created once per process and reused."""
+def outbound_lane_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+    """The communicator that carries pieces to their owners: one per rank set, created once per
+    process and reused. Returns travel on `group` itself (the mesh's group, idle during
+    ``step()``), so on NCCL — one in-order stream per communicator — a return trip never
+    queues ahead of the next outbound one."""
     if group is None:
         return None
-    return cached_group(_TWIN_GROUPS, tuple(sorted(dist.get_process_group_ranks(group))))
+    return cached_group(_LANE_GROUPS, tuple(sorted(dist.get_process_group_ranks(group))))
 
 
 def cached_group(cache: dict[tuple[int, ...], dist.ProcessGroup], ranks: tuple[int, ...]) -> dist.ProcessGroup:

@@ -1,0 +1,106 @@
+"""Muon's state_dict and load_state_dict: checks before anything changes, state kept as saved.
+
+torch's ``Optimizer.load_state_dict`` (which DCP's ``set_state_dict`` also reaches) casts
+floating-point state to its parameter's dtype: that would make the fp32 momentum of bf16
+parameters bf16 and fp8 codes floats. Muon's state passes through it wrapped and is only moved
+to the parameter's device. With momentum on the owners (overlap), the owners' whole-matrix
+blocks are converted to and from the parameters' layout (owner_state.py), so checkpoints do
+not depend on who owned what.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from titan_muon.owner_state import blocks_to_shards, shards_to_blocks
+
+
+@dataclass
+class _PassedThrough:
+    """State that torch's Optimizer.load_state_dict hands over as it is (it casts only tensors)."""
+
+    value: dict
+
+
+def state_dict(opt, state_dict: dict) -> dict:
+    """`state_dict` (torch's, of `opt`) with the owners' momentum laid out like the parameters."""
+    sharded = [e for e in opt._muon_params if e.sharding is not None]
+    if not opt.owner_momentum or not all(e.param in opt.state for e in sharded):
+        return state_dict
+    states = {}
+    for e in sharded:
+        states[e.param] = opt.storage.create(e.param)
+        for key, value in states[e.param].items():
+            if value.ndim == 0:  # a per-parameter counter: every rank has it
+                states[e.param][key] = opt.state[e.param][key].clone()
+    for s, engine in enumerate(opt.engines):
+        blocks = {u: block for (rank_set, u), block in opt._owner_momentum.items() if rank_set == s}
+        blocks_to_shards(opt.storage, opt._muon_params, engine, blocks, states)
+    index_of = {id(p): i for i, p in enumerate(p for g in opt.param_groups for p in g["params"])}
+    for e in sharded:
+        state_dict["state"][index_of[id(e.param)]] = states[e.param]
+    return state_dict
+
+
+def load_state_dict(opt, state_dict: dict, torch_load) -> None:
+    """Check `state_dict` against `opt`'s groups, load it with `torch_load` (torch's loader)
+    without casting Muon's state, and move owner momentum to the owners."""
+    saved_groups = state_dict["param_groups"]
+    if len(saved_groups) != len(opt.param_groups):
+        raise ValueError(
+            f"titan_muon.Muon: the checkpoint has {len(saved_groups)} param groups, this optimizer "
+            f"{len(opt.param_groups)}; the optimizer configuration changed since it was saved"
+        )
+    for gi, (saved, group) in enumerate(zip(saved_groups, opt.param_groups)):
+        if saved.get("use_muon", True) != group["use_muon"]:
+            raise ValueError(
+                f"titan_muon.Muon: param group {gi} was saved with use_muon={saved.get('use_muon', True)} "
+                f"but is now use_muon={group['use_muon']}"
+            )
+        for index, pi in zip(saved["params"], range(len(group["params"]))):
+            keys = set(state_dict["state"].get(index, {}))
+            expected = set(opt.storage.keys) if group["use_muon"] else {"step", "exp_avg", "exp_avg_sq"}
+            if keys and keys != expected:
+                raise ValueError(
+                    f"titan_muon.Muon: saved state of {opt.param_name(gi, pi)!r} has keys {sorted(keys)}, "
+                    f"expected {sorted(expected)} ({'Muon' if group['use_muon'] else 'AdamW'}); "
+                    "was the checkpoint written with another optimizer or parameter split?"
+                )
+    muon_indices = {i for saved, group in zip(saved_groups, opt.param_groups) if group["use_muon"] for i in saved["params"]}
+    state = {i: _PassedThrough(value) if i in muon_indices else value for i, value in state_dict["state"].items()}
+    torch_load({**state_dict, "state": state})
+    tensor_keys = opt.storage.tensor_keys  # the rest are counters, kept on the host
+    for group in opt.param_groups:
+        for key, value in opt.defaults.items():  # checkpoints written before a setting existed
+            group.setdefault(key, value)
+        for p in group["params"]:
+            loaded = opt.state.get(p)
+            if isinstance(loaded, _PassedThrough):
+                opt.state[p] = {key: value.to(p.device if key in tensor_keys else "cpu") for key, value in loaded.value.items()}
+            elif loaded and not group["use_muon"]:  # saved under another adamw_implementation perhaps
+                loaded["step"] = loaded["step"].to(dtype=torch.float32, device=opt._adamw_step_device(p))
+    for entry in opt._muon_params:
+        entry.group = opt.param_groups[entry.group_index]
+    if opt.owner_momentum:
+        _move_loaded_momentum_to_owners(opt)
+
+
+def _move_loaded_momentum_to_owners(opt) -> None:
+    sharded = [e for e in opt._muon_params if e.sharding is not None]
+    tensors = opt.storage.tensor_keys
+    loaded = [all(k in opt.state[e.param] and opt.state[e.param][k].ndim > 0 for k in tensors) for e in sharded]
+    if not any(loaded):
+        return
+    if not all(loaded):
+        missing = [e.name for e, ok in zip(sharded, loaded) if not ok]
+        raise ValueError(f"titan_muon.Muon: the checkpoint has Muon state for some parameters but not for {missing}")
+    states = {e.param: opt.state[e.param] for e in sharded}
+    opt._owner_momentum = {}
+    for s, engine in enumerate(opt.engines):
+        for u, block in shards_to_blocks(opt.storage, opt._muon_params, engine, states).items():
+            opt._owner_momentum[(s, u)] = block
+    for e in sharded:
+        placeholders = opt.storage.placeholders(opt.device)
+        opt.state[e.param].update({key: placeholders[key] for key in tensors})

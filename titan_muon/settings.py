@@ -1,0 +1,126 @@
+"""Muon's settings: names, defaults and the checks that refuse bad ones before anything changes."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from titan_muon.newton_schulz import NS_ALGORITHMS, NS_METHODS, coefficient_schedule
+from titan_muon.update import ADJUST_LR_FNS
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPE_CHOICES = (*DTYPES, "auto")
+NONFINITE_POLICIES = ("raise", "skip")
+ADAMW_IMPLEMENTATIONS = ("fused", "foreach", "for-loop")  # the names of TorchTitan's optimizer.implementation
+# Per-rank MiB for the exchange buffers of the rounds in flight (plan.py, exchange.py).
+DEFAULT_EXCHANGE_MEMORY_MB = 8192.0
+# What one element of a matrix costs its owner during a round, in bytes per byte of the wire
+# dtype plus fixed fp32 parts: received pieces and the return buffer (2 × wire), the assembled
+# fp32 matrix and its scaled fp32 result (8), Newton–Schulz input, iterate and polynomial in the
+# NS dtype (3 × NS itemsize).
+OWNER_FIXED_BYTES = 8.0
+
+
+def resolve_dtype(name: str, key: str, device: torch.device) -> torch.dtype:
+    if name not in DTYPE_CHOICES:
+        raise ValueError(f"titan_muon.Muon: {key}={name!r} is not supported; expected one of {DTYPE_CHOICES}")
+    if name == "auto":  # bf16 where tensor cores make it fast, fp32 (exact) elsewhere
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[name]
+
+
+def owner_bytes_per_element(comm_dtype: torch.dtype, ns_dtype: torch.dtype) -> float:
+    return 2 * comm_dtype.itemsize + OWNER_FIXED_BYTES + 3 * ns_dtype.itemsize
+
+
+def exchange_memory(exchange_memory_mb: float | None, bucket_size_mb: float | None, rounds_in_flight: int | None,
+                    buckets_in_flight: int | None) -> tuple[float, int]:  # fmt: skip
+    """(exchange_memory_mb, rounds_in_flight) from the current and the deprecated names."""
+    if bucket_size_mb is not None:
+        if exchange_memory_mb is not None:
+            raise ValueError("titan_muon.Muon: pass exchange_memory_mb, not also the deprecated bucket_size_mb")
+        warnings.warn(
+            "titan_muon.Muon: bucket_size_mb is deprecated (it was fp32 MiB of whole matrices shared by all ranks); "
+            "use exchange_memory_mb, the per-rank MiB of the exchange buffers in flight. "
+            f"bucket_size_mb={bucket_size_mb} is read as exchange_memory_mb={bucket_size_mb}.",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        exchange_memory_mb = bucket_size_mb
+    if buckets_in_flight is not None:
+        if rounds_in_flight is not None:
+            raise ValueError("titan_muon.Muon: pass rounds_in_flight, not also the deprecated buckets_in_flight")
+        warnings.warn(
+            "titan_muon.Muon: buckets_in_flight is deprecated; use rounds_in_flight (same meaning for rounds).",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        rounds_in_flight = buckets_in_flight
+    exchange_memory_mb = DEFAULT_EXCHANGE_MEMORY_MB if exchange_memory_mb is None else exchange_memory_mb
+    rounds_in_flight = 2 if rounds_in_flight is None else rounds_in_flight
+    if not exchange_memory_mb > 0:
+        raise ValueError(f"titan_muon.Muon: exchange_memory_mb must be > 0 (or None for the default), got {exchange_memory_mb}")
+    if not (isinstance(rounds_in_flight, int) and rounds_in_flight >= 1):
+        raise ValueError(f"titan_muon.Muon: rounds_in_flight must be an integer >= 1, got {rounds_in_flight!r}")
+    return float(exchange_memory_mb), rounds_in_flight
+
+
+def check_options(ns_dtype: str, comm_dtype: str, nonfinite_grads: str, adamw_implementation: str) -> None:
+    for name, key in ((ns_dtype, "ns_dtype"), (comm_dtype, "comm_dtype")):
+        if name not in DTYPE_CHOICES:
+            resolve_dtype(name, key, torch.device("cpu"))
+    if nonfinite_grads not in NONFINITE_POLICIES:
+        raise ValueError(f"titan_muon.Muon: nonfinite_grads={nonfinite_grads!r}; expected one of {NONFINITE_POLICIES}")
+    if adamw_implementation not in ADAMW_IMPLEMENTATIONS:
+        raise ValueError(
+            f"titan_muon.Muon: adamw_implementation={adamw_implementation!r}; expected one of {ADAMW_IMPLEMENTATIONS}"
+        )
+
+
+def validate_group(group: dict, index: int) -> None:
+    where = f"titan_muon.Muon: param group {index}"
+    if not group["lr"] >= 0:
+        raise ValueError(f"{where}: lr must be >= 0, got {group['lr']}")
+    if not group["weight_decay"] >= 0:
+        raise ValueError(f"{where}: weight_decay must be >= 0, got {group['weight_decay']}")
+    if group["use_muon"]:
+        if not 0 <= group["momentum"] < 1:
+            raise ValueError(f"{where}: momentum must be in [0, 1), got {group['momentum']}")
+        if not (isinstance(group["ns_steps"], int) and 1 <= group["ns_steps"] < 100):
+            raise ValueError(f"{where}: ns_steps must be an integer in [1, 100), got {group['ns_steps']!r}")
+        if group["adjust_lr_fn"] is not None and group["adjust_lr_fn"] not in ADJUST_LR_FNS:
+            raise ValueError(f"{where}: adjust_lr_fn={group['adjust_lr_fn']!r}; expected None or one of {ADJUST_LR_FNS}")
+        coefficients = group["ns_coefficients"]
+        if isinstance(coefficients, str):
+            if coefficients not in NS_METHODS:
+                raise ValueError(f"{where}: ns_coefficients={coefficients!r}; expected one of {NS_METHODS} or (a, b, c)")
+        else:
+            coefficient_schedule(coefficients, 1)
+        if group["ns_algorithm"] not in NS_ALGORITHMS:
+            raise ValueError(f"{where}: ns_algorithm={group['ns_algorithm']!r}; expected one of {NS_ALGORITHMS}")
+    else:
+        beta1, beta2 = group["betas"]
+        if not (0 <= beta1 < 1 and 0 <= beta2 < 1):
+            raise ValueError(f"{where}: betas must be in [0, 1), got {group['betas']}")
+        if not group["eps"] > 0:
+            raise ValueError(f"{where}: eps must be > 0, got {group['eps']}")
+
+
+def check_muon_param(p: torch.Tensor, name: str) -> None:
+    if not p.dtype.is_floating_point:
+        raise ValueError(f"titan_muon.Muon: parameter {name!r} has dtype {p.dtype}; floating-point parameters only")
+    if p.ndim not in (2, 3) or p.numel() == 0:
+        raise ValueError(
+            f"titan_muon.Muon: parameter {name!r} has shape {tuple(p.shape)}; Muon groups take non-empty "
+            "2-D matrices (or 3-D stacks of matrices, e.g. MoE experts) only. Put it in a group with "
+            "use_muon=False (titan_muon.build_param_groups does this for embeddings, the output head, "
+            "norms and biases)."
+        )
+
+
+def common_device(params: list[torch.Tensor]) -> torch.device:
+    devices = {p.device for p in params}
+    if len(devices) > 1:
+        raise ValueError(f"titan_muon.Muon: parameters live on several devices {sorted(map(str, devices))}; use one")
+    return devices.pop() if devices else torch.device("cpu")
