@@ -29,7 +29,7 @@ from titan_muon.torchtitan.launch import read_scalars, run_training  # noqa: E40
 CONFIG = "train_configs/llama3_gqa_muon.toml"
 PP = ["--parallelism.pipeline_parallel_degree", "2"]
 RUNS = {"fsdp": (2, []), "pp_fsdp": (4, PP), "pp_fsdp_overlap": (4, [*PP, "--optimizer.overlap"])}
-TAGS = ("loss_metrics/global_avg_loss", "grad_norm", "muon/bytes_sent", "muon/buckets_sent_in_backward")
+TAGS = ("loss_metrics/global_avg_loss", "grad_norm", "muon/bytes_sent", "muon/rounds_sent_in_backward")
 
 
 def main() -> None:

@@ -22,7 +22,7 @@ STAGE_SHAPES = [
     {"c": (3, 256), "d": (64, 30), "e": (48, 48), "bias": (17,)},
 ]
 MUON = {"a", "b", "c", "d", "e"}
-SETTINGS = dict(lr=0.02, weight_decay=0.1, momentum=0.9, bucket_size_mb=0.01)
+SETTINGS = dict(lr=0.02, weight_decay=0.1, momentum=0.9, exchange_memory_mb=0.01)
 STEPS, DP = 3, 2
 
 

@@ -20,7 +20,7 @@ from titan_muon import Muon
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (scripts/gpu_check.sh)")
 
 MUON = {"a", "b", "c", "d"}
-SETTINGS = dict(lr=0.02, weight_decay=0.1, momentum=0.9, adjust_lr_fn="match_rms_adamw", bucket_size_mb=0.01)
+SETTINGS = dict(lr=0.02, weight_decay=0.1, momentum=0.9, adjust_lr_fn="match_rms_adamw", exchange_memory_mb=0.01)
 
 
 @pytest.fixture(scope="module")

@@ -34,7 +34,7 @@ NEVER_ROUTED = {"w1": [1], "w2": [1], "w3": [4], "few": [0]}  # zero gradient at
 IDLE_FROM_STEP = 2
 IDLE_LATER = {"w1": [3], "w2": [3], "w3": [0]}  # tokens at steps 0-1, none from step 2 on
 STEPS = 4
-SETTINGS = dict(lr=0.02, weight_decay=0.1, momentum=0.9, bucket_size_mb=0.002)
+SETTINGS = dict(lr=0.02, weight_decay=0.1, momentum=0.9, exchange_memory_mb=0.002)
 MOE_TOML = Path(__file__).resolve().parents[1] / "train_configs" / "moe_mla_muon.toml"
 OWNER_FP8 = {"overlap": True, "momentum_dtype": "fp8"}  # momentum on owners, stored in fp8
 

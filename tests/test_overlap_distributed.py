@@ -18,7 +18,7 @@ TAMPERED = "layers.1.w1.weight"
 
 
 def _optimizer(model, overlap, **overrides):
-    settings = dict(lr=0.02, adjust_lr_fn="match_rms_adamw", bucket_size_mb=0.002, overlap=overlap)
+    settings = dict(lr=0.02, adjust_lr_fn="match_rms_adamw", exchange_memory_mb=0.002, overlap=overlap)
     return Muon(build_param_groups(model, adamw_lr=3e-3), **{**settings, **overrides})
 
 
@@ -47,11 +47,13 @@ def _train(rank, world, overlap, clip, micro_batches, tamper, steps=3, overrides
         opt.step()
         opt.zero_grad()
         metrics = opt.last_step_metrics
-        sent_in_backward.append(metrics.get("muon/buckets_sent_in_backward", 0.0))
+        sent_in_backward.append(metrics.get("muon/rounds_sent_in_backward", 0.0))
         bytes_backward.append(metrics.get("muon/bytes_sent_in_backward", 0.0))
         bytes_to_owners_in_step.append(metrics["muon/bytes_sent_to_owners"])
     buckets_with_tampered = sum(
-        any(opt._muon_params[opt.plan.units[u].param].name == TAMPERED for u in bucket) for bucket in opt.plan.buckets
+        any(opt.muon_params[engine.units[u].param].name == TAMPERED for u in members)
+        for engine in opt.engines
+        for members in engine.plan.rounds
     )
     return {
         "params": {n: p.full_tensor() for n, p in model.named_parameters()},
@@ -59,7 +61,7 @@ def _train(rank, world, overlap, clip, micro_batches, tamper, steps=3, overrides
         "sent_in_backward": sent_in_backward,
         "bytes_backward": bytes_backward,
         "bytes_to_owners_in_step": bytes_to_owners_in_step,
-        "buckets": len(opt.plan.buckets),
+        "buckets": sum(len(engine.plan.rounds) for engine in opt.engines),
         "buckets_with_tampered": buckets_with_tampered,
         "adamw_grads": reduced,
         "adamw": adamw_names(opt),
@@ -122,6 +124,41 @@ def test_overlap_with_bf16_communication_catches_changes_per_matrix():
         result = overlapped[0]
         expected = result["buckets"] - (result["buckets_with_tampered"] if tamper == "row" else 0)
         assert result["sent_in_backward"][1:] == [float(expected)] * 2, tamper
+
+
+def _train_skipping(rank, world, overlap, comm_dtype, skip_step=1, steps=3):
+    """Three steps; in `skip_step` layer 1 is left out of the forward, so its parameters get no
+    gradient on any rank (FSDP2 never runs that unit): torch.optim leaves such parameters and
+    their state alone, and so must either mode."""
+    model = fsdp_model(world)
+    opt = _optimizer(model, overlap, comm_dtype=comm_dtype)
+    before = {}
+    for s in range(steps):
+        model.skip = frozenset({1}) if s == skip_step else frozenset()
+        _loss(model, _batches(s).chunk(world)[rank]).backward()
+        opt.step()
+        opt.zero_grad()
+        if s == skip_step:
+            before = {n: p.full_tensor() for n, p in model.named_parameters() if n.startswith("layers.1.")}
+    return {"params": {n: p.full_tensor() for n, p in model.named_parameters()}, "skipped_layer_after_skip": before}
+
+
+@pytest.mark.parametrize("comm_dtype", ["fp32", "bf16"])
+def test_overlap_equals_no_overlap_exactly_without_clipping(comm_dtype):
+    """Without gradient clipping both modes build fp32 momentum from the same fp32 gradients
+    and orthogonalize the same matrices (the owner rounds its Nesterov input to the wire dtype
+    as the shard side does), so every weight is bit for bit the same — with bf16 on the wire too
+    (overlap used to send bf16-rounded raw gradients and build momentum from them). A layer
+    left out of one step's forward keeps its weights and momentum in both modes."""
+    plain = run_distributed(_train_skipping, 2, False, comm_dtype)
+    overlapped = run_distributed(_train_skipping, 2, True, comm_dtype)
+    for a, b in zip(plain, overlapped):
+        for name, tensor in a["params"].items():
+            assert torch.equal(b["params"][name], tensor), name
+    # the skipped step did not move layer 1 (compare with the weights after step 0)
+    first = run_distributed(_train_skipping, 2, True, comm_dtype, None, 1)[0]["params"]
+    for name, tensor in overlapped[0]["skipped_layer_after_skip"].items():
+        assert torch.equal(tensor, first[name]), name
 
 
 def _checkpoint_roundtrip(rank, world, path, save, momentum_dtype, adamw_grads=None):

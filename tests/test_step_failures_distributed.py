@@ -89,7 +89,7 @@ def _clean(rank, world, overrides):
         (2, "orthogonalize", 1, {}),
         (3, "orthogonalize", 2, {"momentum_dtype": "bf16"}),
         (3, "nesterov_input", 0, {}),
-        (2, "nesterov_input", 1, {"buckets_in_flight": 1}),
+        (2, "nesterov_input", 1, {"rounds_in_flight": 1}),
     ],
     ids=["ns-W2", "ns-W3-bf16-momentum", "packing-W3", "packing-W2-window1"],
 )

@@ -68,7 +68,7 @@ def test_moe_trains_with_muon_split_muonclip_fp8_and_load_balancing(reference, w
     assert sorted(losses) == list(range(1, STEPS + 1))
     assert losses[STEPS] < losses[1]
     assert any(v > 0 for v in read_scalars(str(reference), "qk_clip/heads_clipped").values())  # MuonClip clipped
-    assert any(v > 0 for v in read_scalars(str(reference), "muon/buckets_sent_in_backward").values())  # overlap ran
+    assert any(v > 0 for v in read_scalars(str(reference), "muon/rounds_sent_in_backward").values())  # overlap ran
     saved = load_checkpoint(reference / "checkpoint" / f"step-{RESUME_STEP}", workdir)
     optimizer = saved["optimizer"]
     # Routed experts are Muon parameters with fp8 momentum, one row scale per expert row; the router is AdamW.

@@ -26,7 +26,7 @@ class _PassedThrough:
 
 def state_dict(opt, state_dict: dict) -> dict:
     """`state_dict` (torch's, of `opt`) with the owners' momentum laid out like the parameters."""
-    sharded = [e for e in opt._muon_params if e.sharding is not None]
+    sharded = [e for e in opt.muon_params if e.sharding is not None]
     if not opt.owner_momentum or not all(e.param in opt.state for e in sharded):
         return state_dict
     states = {}
@@ -36,8 +36,8 @@ def state_dict(opt, state_dict: dict) -> dict:
             if value.ndim == 0:  # a per-parameter counter: every rank has it
                 states[e.param][key] = opt.state[e.param][key].clone()
     for s, engine in enumerate(opt.engines):
-        blocks = {u: block for (rank_set, u), block in opt._owner_momentum.items() if rank_set == s}
-        blocks_to_shards(opt.storage, opt._muon_params, engine, blocks, states)
+        blocks = {u: block for (rank_set, u), block in opt.owner_blocks.items() if rank_set == s}
+        blocks_to_shards(opt.storage, opt.muon_params, engine, blocks, states)
     index_of = {id(p): i for i, p in enumerate(p for g in opt.param_groups for p in g["params"])}
     for e in sharded:
         state_dict["state"][index_of[id(e.param)]] = states[e.param]
@@ -80,15 +80,15 @@ def load_state_dict(opt, state_dict: dict, torch_load) -> None:
             if isinstance(loaded, _PassedThrough):
                 opt.state[p] = {key: value.to(p.device if key in tensor_keys else "cpu") for key, value in loaded.value.items()}
             elif loaded and not group["use_muon"]:  # saved under another adamw_implementation perhaps
-                loaded["step"] = loaded["step"].to(dtype=torch.float32, device=opt._adamw_step_device(p))
-    for entry in opt._muon_params:
+                loaded["step"] = loaded["step"].to(dtype=torch.float32, device=opt.adamw_step_device(p))
+    for entry in opt.muon_params:
         entry.group = opt.param_groups[entry.group_index]
     if opt.owner_momentum:
         _move_loaded_momentum_to_owners(opt)
 
 
 def _move_loaded_momentum_to_owners(opt) -> None:
-    sharded = [e for e in opt._muon_params if e.sharding is not None]
+    sharded = [e for e in opt.muon_params if e.sharding is not None]
     tensors = opt.storage.tensor_keys
     loaded = [all(k in opt.state[e.param] and opt.state[e.param][k].ndim > 0 for k in tensors) for e in sharded]
     if not any(loaded):
@@ -97,10 +97,10 @@ def _move_loaded_momentum_to_owners(opt) -> None:
         missing = [e.name for e, ok in zip(sharded, loaded) if not ok]
         raise ValueError(f"titan_muon.Muon: the checkpoint has Muon state for some parameters but not for {missing}")
     states = {e.param: opt.state[e.param] for e in sharded}
-    opt._owner_momentum = {}
+    opt.owner_blocks = {}
     for s, engine in enumerate(opt.engines):
-        for u, block in shards_to_blocks(opt.storage, opt._muon_params, engine, states).items():
-            opt._owner_momentum[(s, u)] = block
+        for u, block in shards_to_blocks(opt.storage, opt.muon_params, engine, states).items():
+            opt.owner_blocks[(s, u)] = block
     for e in sharded:
         placeholders = opt.storage.placeholders(opt.device)
         opt.state[e.param].update({key: placeholders[key] for key in tensors})

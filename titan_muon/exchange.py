@@ -103,6 +103,7 @@ class ExchangeEngine:
         self.outbound, self.back = outbound, back
         self.rounds_in_flight = rounds_in_flight
         self.device = back.device
+        self.bytes_to_owners = 0  # sent by run()'s outbound trips (self excluded), for the step's metrics
 
     @property
     def rank(self) -> int:
@@ -118,10 +119,6 @@ class ExchangeEngine:
 
     def owned_units(self) -> list[int]:
         return [u for tables in self.tables for u in tables.owned]
-
-    def bytes_to_owners(self, itemsize: int) -> int:
-        """Bytes this rank's outbound trips put on the wire per step (self excluded)."""
-        return itemsize * sum(t.send_numel - t.send_counts[self.rank] for t in self.tables)
 
     # ------------------------------------------------------------------ one direction
 
@@ -176,6 +173,7 @@ class ExchangeEngine:
         handed to ``receive``: they stay alive until the commit.
         """
         arrived = dict(arrived or {})
+        self.bytes_to_owners = 0
         for exchange in arrived.values():
             memory.add(exchange.received.numel())
         rounds = len(self.tables)
@@ -187,6 +185,8 @@ class ExchangeEngine:
             while launched < min(limit, rounds):
                 if launched not in arrived:
                     outbound[launched] = self.launch(launched, dtype, fill, failure, memory)
+                    tables = self.tables[launched]
+                    self.bytes_to_owners += dtype.itemsize * (tables.send_numel - tables.send_counts[self.rank])
                 launched += 1
 
         launch_through(self.rounds_in_flight)

@@ -139,7 +139,7 @@ class Muon(Optimizer):
         self._layout_ready = False
         super().__init__(params, defaults)
         self.skipped_steps = 0
-        self._owner_momentum: dict[tuple[int, int], dict] = {}  # (rank set, unit) -> whole-matrix state
+        self.owner_blocks: dict[tuple[int, int], dict] = {}  # (rank set, unit) -> whole-matrix state
         self._metrics: dict[str, float | Tensor] = {}
         self._metrics_read: dict[str, float] | None = None
         self._build_layout()
@@ -164,18 +164,18 @@ class Muon(Optimizer):
         self.ns_dtype = settings.resolve_dtype(self.ns_dtype_setting, "ns_dtype", self.device)
         comm = self.comm_dtype_setting
         self.comm_dtype = self.ns_dtype if comm == "auto" else settings.resolve_dtype(comm, "comm_dtype", self.device)
-        self._muon_params: list[MuonParam] = []
+        self.muon_params: list[MuonParam] = []
         for gi, group in enumerate(self.param_groups):
             for pi, p in enumerate(group["params"]):
                 if group["use_muon"]:
                     settings.check_muon_param(p, self.param_name(gi, pi))
-                    self._muon_params.append(MuonParam(p, self.param_name(gi, pi), group, gi, len(self._muon_params), None))
+                    self.muon_params.append(MuonParam(p, self.param_name(gi, pi), group, gi, len(self.muon_params), None))
                 elif not p.dtype.is_floating_point:
                     raise ValueError(f"titan_muon.Muon: parameter {self.param_name(gi, pi)!r} has dtype {p.dtype}; floating-point parameters only")
-        rank_sets, covering = locate(self._muon_params)
+        rank_sets, covering = locate(self.muon_params)
         self.transport = Transport(covering, self.device)  # the step's two agreements
-        units, shardings = build_units(self._muon_params, self.row_blocks)
-        self._local_units = units.get(None, [])  # matrices this rank holds whole: no traffic
+        units, shardings = build_units(self.muon_params, self.row_blocks)
+        self.local_units = units.get(None, [])  # matrices this rank holds whole: no traffic
         round_bytes = self.exchange_memory_mb * 2**20 / self.rounds_in_flight
         owner_bytes = settings.owner_bytes_per_element(self.comm_dtype, self.ns_dtype)
         for overlap in self._overlaps:
@@ -190,7 +190,7 @@ class Muon(Optimizer):
             outbound = Transport(outbound_lane_group(rank_set.group), self.device)
             self.engines.append(ExchangeEngine(plan, tables, outbound, back, self.rounds_in_flight))
         self.owner_momentum = self.overlap and bool(self.engines)
-        self._overlaps = [BackwardOverlap(self._muon_params, e) if self.owner_momentum else None for e in self.engines]
+        self._overlaps = [BackwardOverlap(self.muon_params, e) if self.owner_momentum else None for e in self.engines]
         self._layout_ready = True
 
     def _ensure_state(self) -> None:
@@ -199,9 +199,9 @@ class Muon(Optimizer):
             if not group["use_muon"]:
                 for p in group["params"]:
                     if not self.state[p]:
-                        self.state[p].update(step=torch.tensor(0.0, dtype=torch.float32, device=self._adamw_step_device(p)),
+                        self.state[p].update(step=torch.tensor(0.0, dtype=torch.float32, device=self.adamw_step_device(p)),
                                              exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))  # fmt: skip
-        for entry in self._muon_params:
+        for entry in self.muon_params:
             state = self.state[entry.param]
             if self.owner_momentum and entry.sharding is not None:  # momentum on the owners
                 for key, value in self.storage.placeholders(self.device).items():
@@ -210,9 +210,9 @@ class Muon(Optimizer):
                 state.update(self.storage.create(entry.param))
         for s, engine in enumerate(self.engines if self.owner_momentum else []):
             for u in engine.owned_units():
-                if (s, u) not in self._owner_momentum:
+                if (s, u) not in self.owner_blocks:
                     unit = engine.units[u]
-                    self._owner_momentum[(s, u)] = self.storage.create_block(unit.rows, unit.cols, self.device)
+                    self.owner_blocks[(s, u)] = self.storage.create_block(unit.rows, unit.cols, self.device)
 
     # ------------------------------------------------------------------- step
 
@@ -260,10 +260,10 @@ class Muon(Optimizer):
         momenta: dict[int, Tensor] = {}  # decoded once per parameter and step
 
         def fill(piece: Piece, slot: Tensor, engine: ExchangeEngine) -> None:
-            entry = self._muon_params[engine.units[piece.unit].param]
+            entry = self.muon_params[engine.units[piece.unit].param]
             self._matrix_to_send(entry, piece, verdict, momenta, out=slot)
 
-        local_done = not self._local_units
+        local_done = not self.local_units
         for s, engine in enumerate(self.engines):
             early = verdict.early[s]
             scales = early.scales if early is not None else {}
@@ -272,7 +272,7 @@ class Muon(Optimizer):
                 self._orthogonalize_local(verdict, failure, timer, work)
 
             def receive(r: int, piece: Piece, update: Tensor, engine=engine) -> None:
-                entry = self._muon_params[engine.units[piece.unit].param]
+                entry = self.muon_params[engine.units[piece.unit].param]
                 if id(entry.param) not in verdict.skipped:
                     work.updates.append((entry, local_piece(entry.stack(entry.param), piece), update))
 
@@ -316,8 +316,8 @@ class Muon(Optimizer):
             by_key: dict[tuple, list[tuple[Unit, Tensor]]] = defaultdict(list)
             momenta: dict[int, Tensor] = {}
             with phase("pack"):
-                for unit in self._local_units:
-                    entry = self._muon_params[unit.param]
+                for unit in self.local_units:
+                    entry = self.muon_params[unit.param]
                     if id(entry.param) in verdict.skipped:
                         continue
                     piece = Piece(0, 0, 0, (0, unit.rows), (0, unit.cols), (unit.matrix, unit.row_start, unit.row_end))
@@ -328,7 +328,7 @@ class Muon(Optimizer):
                 result = self._newton_schulz(key, torch.stack([m for _, m in members]).float(), timer, work)
                 work.memory.add(result.numel() * result.element_size())  # held until the commit
                 for (unit, _), out in zip(members, result):
-                    entry = self._muon_params[unit.param]
+                    entry = self.muon_params[unit.param]
                     work.updates.append((entry, entry.stack(entry.param)[unit.matrix, unit.row_start : unit.row_end], out))
         except Exception as error:  # noqa: BLE001 - settled on every rank in agree_on_success
             failure.record(error, "Newton-Schulz of whole local matrices")
@@ -358,14 +358,14 @@ class Muon(Optimizer):
         out = torch.empty_like(gradients)
         for u, grad, slot in zip(units, gradients.unbind(0), out.unbind(0)):
             unit = engine.units[u]
-            entry = self._muon_params[unit.param]
+            entry = self.muon_params[unit.param]
             if id(entry.param) in verdict.skipped:
                 slot.zero_()
                 continue
             c = scales.get(unit.param, 1.0)
             if c != 1.0:
                 grad.mul_(c)  # `gradients` is this batch's own assembled copy
-            state = self._owner_momentum[(s, u)]
+            state = self.owner_blocks[(s, u)]
             new = nesterov_input_and_momentum(grad, self.storage.load(state), entry.group["momentum"], entry.group["nesterov"], out=slot)
             first_row = unit.matrix * entry.param.shape[-2] + unit.row_start
             work.staged.append((state, self._staged(state, new, unit.param, first_row, work)))
@@ -384,7 +384,7 @@ class Muon(Optimizer):
 
     def _ns_key(self, unit: Unit) -> tuple[tuple[int, int], int]:
         """Matrices batch together when they have one shape and one param group's settings."""
-        return (unit.shape, self._muon_params[unit.param].group_index)
+        return (unit.shape, self.muon_params[unit.param].group_index)
 
     def _newton_schulz(self, key: tuple, matrices: Tensor, timer: StepTimer, work: StepWork) -> Tensor:
         """Orthogonalize a batch of equal-shape matrices and scale them by their shape's factor."""
@@ -407,7 +407,7 @@ class Muon(Optimizer):
 
     def _unit_ns_flops(self, unit: Unit) -> int:
         """What the owner of `unit` will spend on it: the plan balances owners on this."""
-        group = self._muon_params[unit.param].group
+        group = self.muon_params[unit.param].group
         return newton_schulz_flops(unit.rows, unit.cols, group["ns_steps"], self._ns_algorithm(group, unit.rows, unit.cols))
 
     def _stage_commit(self, verdict: Verdict, failure: StepFailure, work: StepWork) -> None:
@@ -417,7 +417,7 @@ class Muon(Optimizer):
         if failure.error is not None:
             return
         try:
-            for entry in self._muon_params:
+            for entry in self.muon_params:
                 p = entry.param
                 if id(p) in verdict.skipped or (self.owner_momentum and entry.sharding is not None):
                     continue
@@ -438,14 +438,14 @@ class Muon(Optimizer):
         for target, staged in work.staged:
             target.update(staged)
         if self.storage.name == "fp32":
-            for entry in self._muon_params:
+            for entry in self.muon_params:
                 p = entry.param
                 if id(p) in verdict.skipped or (self.owner_momentum and entry.sharding is not None):
                     continue
                 grad = work.grads32.get(entry.index, local_shard(p.grad))
                 local_shard(self.state[p]["momentum_buffer"]).lerp_(grad, 1 - entry.group["momentum"])
         if self.owner_momentum:
-            for entry in self._muon_params:
+            for entry in self.muon_params:
                 if entry.sharding is not None and id(entry.param) not in verdict.skipped and "step" in self.state[entry.param]:
                     self.state[entry.param]["step"] += 1  # its blocks count their stores the same way
         by_group: dict[tuple, tuple[list[Tensor], list[Tensor]]] = defaultdict(lambda: ([], []))
@@ -457,7 +457,7 @@ class Muon(Optimizer):
             group = self.param_groups[group_index]
             apply_updates_(targets, updates, group["lr"], group["weight_decay"])
 
-    def _adamw_step_device(self, p: Tensor) -> torch.device:
+    def adamw_step_device(self, p: Tensor) -> torch.device:
         """Where AdamW's step counter lives, as torch.optim.AdamW keeps it: the fused kernel reads
         it on the device; the others read it on the host each step, which on a device would sync."""
         return p.device if self.adamw_implementation == "fused" else torch.device("cpu")
@@ -486,13 +486,12 @@ class Muon(Optimizer):
 
     def _finish_metrics(self, work: StepWork, timer: StepTimer, verdict: Verdict) -> None:
         lanes = self._lanes()
-        itemsize = 4 if self.owner_momentum else self.comm_dtype.itemsize
         metrics: dict[str, float | Tensor] = {
             "muon/step_time_ms": timer.elapsed_ms("step"),
             "muon/ns_time_ms": timer.elapsed_ms("ns"),
             "muon/ns_flops": float(work.ns_flops),
             "muon/bytes_sent": float(sum(lane.bytes_sent for lane in lanes)),
-            "muon/bytes_sent_to_owners": float(sum(e.bytes_to_owners(itemsize) for e in self.engines)),
+            "muon/bytes_sent_to_owners": float(sum(e.bytes_to_owners for e in self.engines)),
             "muon/bytes_received": float(sum(lane.bytes_received for lane in lanes)),
             "muon/skipped_steps": float(self.skipped_steps),
             "muon/peak_transient_bytes": float(work.memory.peak),
@@ -520,7 +519,7 @@ class Muon(Optimizer):
         """Bytes of optimizer state this rank holds: AdamW moments, Muon momentum on its blocks
         or, with momentum on the owners, the whole matrices it owns."""
         tensors = [v for state in self.state.values() for v in state.values() if isinstance(v, Tensor)]
-        tensors += [v for block in self._owner_momentum.values() for v in block.values()]
+        tensors += [v for block in self.owner_blocks.values() for v in block.values()]
         return sum(local_shard(t).numel() * local_shard(t).element_size() for t in tensors if t.ndim > 0)
 
     def _flat_name(self, i: int) -> str:

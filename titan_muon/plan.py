@@ -29,7 +29,7 @@ import hashlib
 import heapq
 import itertools
 from collections import Counter, defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from titan_muon.layout import Box, Sharding, box_numel, chunk_range
@@ -297,7 +297,7 @@ class RoundTables:
 
 
 def round_tables(
-    plan: Plan, shardings: Sequence[Sharding], round_index: int, rank: int, boxes: Sequence[Box] | None = None
+    plan: Plan, shardings: Sequence[Sharding], round_index: int, rank: int, boxes: Mapping[int, Box] | None = None
 ) -> RoundTables:
     """`rank`'s tables for one round; ``boxes[param]`` (optional) is `rank`'s block of each parameter."""
     members = plan.rounds[round_index]
@@ -342,7 +342,7 @@ def round_tables(
 
 def rank_tables(plan: Plan, shardings: Sequence[Sharding], rank: int) -> tuple[RoundTables, ...]:
     """Everything `rank` needs per step, round by round: computed once, read every step."""
-    boxes = [sharding.box(rank) for sharding in shardings]
+    boxes = {param: shardings[param].box(rank) for param in {unit.param for unit in plan.units}}  # this plan's parameters only
     return tuple(round_tables(plan, shardings, r, rank, boxes) for r in range(len(plan.rounds)))
 
 

@@ -8,10 +8,11 @@ the TOML file is rejected by torchtitan itself (naming the key); values are chec
 """
 
 import math
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args, get_type_hints
 
-from titan_muon.optimizer import ADAMW_IMPLEMENTATIONS
+from titan_muon.settings import ADAMW_IMPLEMENTATIONS
 
 OPTIMIZER_NAMES = ("Muon", "AdamW", "Adam")
 
@@ -40,12 +41,18 @@ class Optimizer:
     adjust_lr_fn: Literal["original", "match_rms_adamw"] = "original"
     """"original": scale by sqrt(max(1, rows/cols)); "match_rms_adamw": 0.2*sqrt(max(rows, cols)),
     which lets Muon reuse an AdamW learning rate."""
+    exchange_memory_mb: float | None = None
+    """Per-GPU MiB for the exchange buffers of the rounds in flight (pieces, whole matrices on
+    their owners, Newton-Schulz workspace, return buffers); unset: 8192. A round always holds
+    at least one matrix per owner."""
+    rounds_in_flight: int = 2
+    """Owner-balanced rounds whose outbound all-to-all runs ahead of the owners' Newton-Schulz."""
     bucket_size_mb: float | None = None
-    """fp32 MiB of whole matrices per all-to-all round; unset: max(64, 8 × ranks), about 8 MiB per rank."""
-    buckets_in_flight: int = 2
-    """Buckets whose all-to-all runs ahead of the owners' Newton-Schulz: bounds the step's transient memory."""
+    """Deprecated: read as exchange_memory_mb (with a warning)."""
+    buckets_in_flight: int | None = None
+    """Deprecated: read as rounds_in_flight (with a warning)."""
     overlap: bool = False
-    """Send each bucket's gradient rows to their owners during backward (FSDP2 hooks)."""
+    """Send each round's gradient rows to their owners during backward (FSDP2 hooks)."""
     split: Literal["none", "head", "fine"] = "none"
     """Muon Split: orthogonalize attention projections per head ("head"), or MLA heads further
     into nope | rope and k_nope | v ("fine", GLM-5); "none" orthogonalizes whole matrices."""
@@ -126,16 +133,28 @@ def validate_optimizer_config(config: Any) -> None:
             'titan_muon\'s Muon optimizer container, so with another optimizer it would be silently ignored. '
             'Set qk_clip = false or name = "Muon".'
         )
-    for key in ("ns_steps", "buckets_in_flight"):
+    for key in ("ns_steps", "rounds_in_flight", "buckets_in_flight"):
         value = getattr(config, key)
+        if key == "buckets_in_flight" and value is None:
+            continue
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             fail(key, "a positive integer")
     # torchtitan's own `implementation` also picks the kernel of Muon's AdamW groups.
     for key, choices in (*_CHOICES.items(), ("implementation", ADAMW_IMPLEMENTATIONS)):
         if getattr(config, key) not in choices:
             fail(key, f"one of {choices}")
-    if config.bucket_size_mb is not None and (not _is_number(config.bucket_size_mb) or config.bucket_size_mb <= 0):
-        fail("bucket_size_mb", "a positive number or unset")
+    for key in ("exchange_memory_mb", "bucket_size_mb"):
+        value = getattr(config, key)
+        if value is not None and (not _is_number(value) or value <= 0):
+            fail(key, "a positive number or unset")
+    for old, new in (("bucket_size_mb", "exchange_memory_mb"), ("buckets_in_flight", "rounds_in_flight")):
+        if getattr(config, old) is not None:
+            warnings.warn(
+                f"[optimizer] {old} is deprecated: use {new}. {old} = {getattr(config, old)} is read as {new} "
+                f"= {getattr(config, old)}" + (" MiB per GPU (it was fp32 MiB of matrices shared by all ranks)." if old == "bucket_size_mb" else "."),
+                DeprecationWarning,
+                stacklevel=2,
+            )
     for key in ("adamw_lr", "adamw_weight_decay"):
         value = getattr(config, key)
         if value is not None and (not _is_number(value) or value < 0):

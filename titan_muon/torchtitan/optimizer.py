@@ -41,6 +41,8 @@ def muon_kwargs(config: Any) -> dict[str, Any]:
         adamw_betas=(config.beta1, config.beta2),
         adamw_eps=config.eps,
         adamw_implementation=config.implementation,
+        exchange_memory_mb=config.exchange_memory_mb,
+        rounds_in_flight=None if config.buckets_in_flight is not None else config.rounds_in_flight,
         bucket_size_mb=config.bucket_size_mb,
         buckets_in_flight=config.buckets_in_flight,
         nonfinite_grads=config.nonfinite_grads,

@@ -1,0 +1,114 @@
+"""The end of a step: new state staged before the ranks agree, then written without allocating.
+
+The step writes nothing until every rank has agreed that everything before succeeded. What
+the commit would allocate is therefore computed first (:func:`stage_momentum`): new bf16 or
+fp8 momentum is encoded into fresh tensors, low-precision gradients get their fp32 copies.
+The commit (:func:`commit`) then only swaps those tensors in and updates in place — momentum
+lerp, weight decay, the update, and the fused AdamW kernel — so an out-of-memory error on
+one rank cannot leave it half-committed while the others have finished. torch's "foreach"
+and "for-loop" AdamW kernels allocate temporaries; with them that guarantee does not cover
+the AdamW groups (docs/reliability.md).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+from torch.distributed.tensor import DTensor
+from torch.optim.adamw import adamw as adamw_functional
+
+from titan_muon.exchange import MemoryAccount
+from titan_muon.update import apply_updates_, local_shard
+
+
+@dataclass
+class StepWork:
+    """What the exchange leaves for the commit."""
+
+    updates: list[tuple[object, Tensor, Tensor]] = field(default_factory=list)  # (MuonParam, local view, update)
+    staged: list[tuple[dict, dict]] = field(default_factory=list)  # (state, its new tensors): swapped in at the commit
+    grads32: dict[int, Tensor] = field(default_factory=dict)  # MuonParam index -> fp32 copy of a low-precision gradient
+    held: list = field(default_factory=list)  # return buffers the updates view: alive until the commit
+    update_sq: list[Tensor] = field(default_factory=list)  # device scalars: sums of squared lr-scaled updates
+    update_numel: int = 0
+    ns_flops: int = 0
+    memory: MemoryAccount = field(default_factory=MemoryAccount)
+
+
+def staged_state(storage, state: dict, momentum: Tensor, stream: int, first_row: int | None, memory: MemoryAccount) -> dict:
+    """`state`'s tensors after storing `momentum` (fp32), computed without touching `state`."""
+    if storage.name == "fp32" and not isinstance(state["momentum_buffer"], DTensor):
+        memory.add(momentum.numel() * 4)
+        return {"momentum_buffer": momentum}
+    staged = {key: value.clone() for key, value in state.items()}
+    storage.store(staged, momentum, stream=stream, first_row=first_row)
+    memory.add(sum(local_shard(v).numel() * v.element_size() for v in staged.values()))
+    return staged
+
+
+def stage_momentum(storage, entries, state: dict, work: StepWork) -> None:
+    """New momentum M' = μM + (1−μ)g of the sharded-momentum parameters `entries`: staged tensors
+    for bf16/fp8 storage; fp32 momentum is updated in place by the commit, from fp32 gradients
+    (copied to fp32 here if they are not)."""
+    for entry in entries:
+        grad = local_shard(entry.param.grad)
+        if storage.name == "fp32":
+            if grad.dtype != torch.float32:
+                work.grads32[entry.index] = grad.float()
+                work.memory.add(grad.numel() * 4)
+            continue
+        momentum = storage.load(state[entry.param])
+        momentum.lerp_(grad.float(), 1 - entry.group["momentum"])
+        work.staged.append((state[entry.param], staged_state(storage, state[entry.param], momentum, entry.index, None, work.memory)))
+
+
+def commit(storage, entries, state: dict, param_groups: list[dict], work: StepWork) -> None:
+    """Momentum (staged, or fp32 in place for `entries`), then the parameters; allocates nothing
+    but the 0-dim decay factors."""
+    for target, staged in work.staged:
+        target.update(staged)
+    if storage.name == "fp32":
+        for entry in entries:
+            grad = work.grads32.get(entry.index, local_shard(entry.param.grad))
+            local_shard(state[entry.param]["momentum_buffer"]).lerp_(grad, 1 - entry.group["momentum"])
+    by_group: dict[tuple, tuple[list[Tensor], list[Tensor]]] = defaultdict(lambda: ([], []))
+    for entry, target, update in work.updates:
+        targets, updates = by_group[(entry.group_index, target.dtype)]
+        targets.append(target)
+        updates.append(update)
+    for (group_index, _), (targets, updates) in by_group.items():
+        group = param_groups[group_index]
+        apply_updates_(targets, updates, group["lr"], group["weight_decay"])
+
+
+def adamw_step_device(p: Tensor, implementation: str) -> torch.device:
+    """Where AdamW's step counter lives, as torch.optim.AdamW keeps it: the fused kernel reads
+    it on the device; the others read it on the host each step, which on a device would sync."""
+    return p.device if implementation == "fused" else torch.device("cpu")
+
+
+def new_adamw_state(p: Tensor, implementation: str) -> dict:
+    step = torch.tensor(0.0, dtype=torch.float32, device=adamw_step_device(p, implementation))
+    return {"step": step, "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+
+
+def adamw_step(param_groups: list[dict], state: dict, implementation: str) -> None:
+    """torch's AdamW kernel on the local shards of the AdamW groups' parameters."""
+    for group in param_groups:
+        if group["use_muon"]:
+            continue
+        live = [p for p in group["params"] if p.grad is not None]
+        if not live:
+            continue
+        states = [state[p] for p in live]
+        beta1, beta2 = group["betas"]
+        adamw_functional(
+            [local_shard(p) for p in live], [local_shard(p.grad) for p in live],
+            [local_shard(s["exp_avg"]) for s in states], [local_shard(s["exp_avg_sq"]) for s in states], [],
+            [s["step"] for s in states], amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
+            weight_decay=group["weight_decay"], eps=group["eps"], maximize=False,
+            foreach=implementation == "foreach", fused=implementation == "fused",
+        )  # fmt: skip
