@@ -88,7 +88,7 @@ def _run(layers, world=8, rank=3, hsdp=False, audit_steps=1, fire_hooks=None, **
                 if step:
                     results.append((audit.host_syncs, audit.host_to_device, list(audit.foreign_collectives), audit.op_count))
                 opt.zero_grad()
-        matrices = sum(len(engine.units) for engine in opt.engines) + len(opt.local_units)
+        matrices = sum(len(engine.units) for engine in opt.engines)
         return results, matrices, opt
 
 

@@ -80,7 +80,7 @@ def test_attention_row_blocks_for_torchtitan_gqa_and_mla():
     assert set(blocks) == {f"layers.{i}.attention.{p}.weight" for i in range(2) for p in ("wq", "wk", "wv")}
     groups = [{"params": [(n, p) for n, p in llama.named_parameters() if p.ndim == 2 and "embed" not in n and "output" not in n]}]
     opt = Muon(groups, row_blocks=blocks)
-    assert len(opt.local_units) == 2 * (8 + 2 + 2 + 4)  # heads of wq, wk, wv + wo, w1, w2, w3 whole
+    assert len(opt.engines[0].units) == 2 * (8 + 2 + 2 + 4)  # heads of wq, wk, wv + wo, w1, w2, w3 whole
 
     args = DeepSeekV3ModelArgs(dim=64, n_layers=1, n_dense_layers=1, n_heads=4, vocab_size=32, q_lora_rank=0,
                                kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, inter_dim=96)  # fmt: skip

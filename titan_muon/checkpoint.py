@@ -35,7 +35,7 @@ def state_dict(opt, state_dict: dict) -> dict:
         for key, value in states[e.param].items():
             if value.ndim == 0:  # a per-parameter counter: every rank has it
                 states[e.param][key] = opt.state[e.param][key].clone()
-    for s, engine in enumerate(opt.engines):
+    for s, engine in enumerate(opt.sharded_engines):
         blocks = {u: block for (rank_set, u), block in opt.owner_blocks.items() if rank_set == s}
         blocks_to_shards(opt.storage, opt.muon_params, engine, blocks, states)
     index_of = {id(p): i for i, p in enumerate(p for g in opt.param_groups for p in g["params"])}
@@ -98,7 +98,7 @@ def _move_loaded_momentum_to_owners(opt) -> None:
         raise ValueError(f"titan_muon.Muon: the checkpoint has Muon state for some parameters but not for {missing}")
     states = {e.param: opt.state[e.param] for e in sharded}
     opt.owner_blocks = {}
-    for s, engine in enumerate(opt.engines):
+    for s, engine in enumerate(opt.sharded_engines):
         for u, block in shards_to_blocks(opt.storage, opt.muon_params, engine, states).items():
             opt.owner_blocks[(s, u)] = block
     for e in sharded:

@@ -144,7 +144,9 @@ class ExchangeEngine:
                         fill(piece, slot)
             except Exception as error:  # noqa: BLE001 - settled on every rank in agree_on_success
                 failure.record(error, f"packing round {r}")
-        recv = self.buffer(tables.recv_numel * send.element_size(), torch.uint8, failure, f"allocating round {r}'s receive buffer")
+        recv = None
+        if self.outbound.group is not None:  # a one-rank exchange receives its own buffer
+            recv = self.buffer(tables.recv_numel * send.element_size(), torch.uint8, failure, f"allocating round {r}'s receive buffer")
         exchange = self.outbound.all_to_all(send, tables.send_counts, tables.recv_counts, recv=recv)
         memory.add(exchange.nbytes)
         return exchange
@@ -163,13 +165,11 @@ class ExchangeEngine:
         failure: StepFailure,
         memory: MemoryAccount,
         arrived: dict[int, Exchange] | None = None,
-        meanwhile: Callable[[], None] | None = None,
     ) -> list[Exchange]:
         """Every round's round trip, ``rounds_in_flight`` outbound trips ahead of the owners.
 
-        Pieces travel out in `dtype` and come back in `return_dtype`. ``arrived``: rounds whose outbound trip already happened (during backward). ``meanwhile``
-        runs once the first rounds are on their way (the optimizer orthogonalizes the matrices
-        this rank holds whole). Returns the return exchanges, whose buffers hold the updates
+        Pieces travel out in `dtype` and come back in `return_dtype`. ``arrived``: rounds whose
+        outbound trip already happened (during backward). Returns the return exchanges, whose buffers hold the updates
         handed to ``receive``: they stay alive until the commit.
         """
         arrived = dict(arrived or {})
@@ -190,8 +190,6 @@ class ExchangeEngine:
                 launched += 1
 
         launch_through(self.rounds_in_flight)
-        if meanwhile is not None:
-            meanwhile()
         returning: list[tuple[int, Exchange]] = []
         held: list[Exchange] = []
         for r in range(rounds):
@@ -217,7 +215,9 @@ class ExchangeEngine:
             del exchange, received
             if back is None:
                 back = self.buffer(tables.recv_numel, return_dtype, failure, f"allocating round {r}'s return buffer")
-            recv = self.buffer(tables.send_numel * back.element_size(), torch.uint8, failure, f"allocating round {r}'s update buffer")
+            recv = None
+            if self.back.group is not None:
+                recv = self.buffer(tables.send_numel * back.element_size(), torch.uint8, failure, f"allocating round {r}'s update buffer")
             returning.append((r, self.back.all_to_all(back, tables.recv_counts, tables.send_counts, recv=recv)))
             memory.add(returning[-1][1].nbytes)
             if len(returning) > self.rounds_in_flight:

@@ -6,7 +6,8 @@ One step, top-down (``step``):
   2. exchange (exchange.py): in owner-balanced rounds each rank sends its pieces of every
      matrix — Nesterov momentum, or with momentum on the owners the raw gradient — to the
      matrix's owner; each owner orthogonalizes its matrices once, batched by shape, and the
-     scaled updates come back. Matrices a rank holds whole are orthogonalized meanwhile;
+     scaled updates come back. Matrices a rank holds whole take the same path without
+     collectives (a one-rank exchange);
   3. stage: everything the commit would allocate (new low-precision momentum) is computed;
   4. agree that every rank got through 2–3 (one tiny all-reduce, one host read); if a rank
      failed, every rank raises the same error and nothing has changed;
@@ -21,21 +22,20 @@ computes what the one-process run computes.
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
-from torch.optim.adamw import adamw as adamw_functional
 
 from titan_muon import checkpoint, settings
-from titan_muon.exchange import ExchangeEngine, MemoryAccount, StepFailure, agree_on_success
-from titan_muon.newton_schulz import newton_schulz_flops, orthogonalize, resolve_algorithm
+from titan_muon.commit import StepWork, adamw_step, adamw_step_device, commit, new_adamw_state, stage_momentum, staged_state
+from titan_muon.exchange import ExchangeEngine, StepFailure, agree_on_success
+from titan_muon.orthogonalizer import Orthogonalizer
 from titan_muon.overlap import BackwardOverlap
 from titan_muon.overlap import metrics as overlap_metrics
+from titan_muon.metrics import step_metrics
 from titan_muon.params import MuonParam, build_units, locate
 from titan_muon.plan import Piece, Unit, build_plan, rank_tables
 from titan_muon.redistribute import Batch, local_piece
@@ -43,22 +43,8 @@ from titan_muon.split import RowBlocks
 from titan_muon.state import momentum_storage
 from titan_muon.timing import StepTimer, phase
 from titan_muon.transport import Transport, outbound_lane_group
-from titan_muon.update import apply_updates_, local_shard, nesterov_input, nesterov_input_and_momentum, update_scale
+from titan_muon.update import local_shard, nesterov_input, nesterov_input_and_momentum
 from titan_muon.verdict import Verdict, agree_on_gradients
-
-
-@dataclass
-class StepWork:
-    """What the exchange leaves for the commit."""
-
-    updates: list[tuple[MuonParam, Tensor, Tensor]] = field(default_factory=list)  # (param, local view, update)
-    staged: list[tuple[dict, dict]] = field(default_factory=list)  # (state, its new tensors): swapped in at the commit
-    grads32: dict[int, Tensor] = field(default_factory=dict)  # MuonParam index -> fp32 copy of a low-precision gradient
-    held: list = field(default_factory=list)  # return buffers the updates view: alive until the commit
-    update_sq: list[Tensor] = field(default_factory=list)  # device scalars: sums of squared lr-scaled updates
-    update_numel: int = 0
-    ns_flops: int = 0
-    memory: MemoryAccount = field(default_factory=MemoryAccount)
 
 
 class Muon(Optimizer):
@@ -164,7 +150,9 @@ class Muon(Optimizer):
         self.ns_dtype = settings.resolve_dtype(self.ns_dtype_setting, "ns_dtype", self.device)
         comm = self.comm_dtype_setting
         self.comm_dtype = self.ns_dtype if comm == "auto" else settings.resolve_dtype(comm, "comm_dtype", self.device)
+        self.newton_schulz = Orthogonalizer(lambda: self.param_groups, self.ns_dtype, self.device)
         self.muon_params: list[MuonParam] = []
+        self._names = [self.param_name(gi, pi) for gi, g in enumerate(self.param_groups) for pi in range(len(g["params"]))]
         for gi, group in enumerate(self.param_groups):
             for pi, p in enumerate(group["params"]):
                 if group["use_muon"]:
@@ -175,7 +163,6 @@ class Muon(Optimizer):
         rank_sets, covering = locate(self.muon_params)
         self.transport = Transport(covering, self.device)  # the step's two agreements
         units, shardings = build_units(self.muon_params, self.row_blocks)
-        self.local_units = units.get(None, [])  # matrices this rank holds whole: no traffic
         round_bytes = self.exchange_memory_mb * 2**20 / self.rounds_in_flight
         owner_bytes = settings.owner_bytes_per_element(self.comm_dtype, self.ns_dtype)
         for overlap in self._overlaps:
@@ -184,13 +171,18 @@ class Muon(Optimizer):
         self.engines: list[ExchangeEngine] = []
         for index, rank_set in enumerate(rank_sets):
             back = Transport(rank_set.group, self.device)
-            plan = build_plan(units[index], shardings, back.world_size, round_bytes, self._unit_ns_flops, owner_bytes)
+            plan = build_plan(units[index], shardings, back.world_size, round_bytes, self._unit_flops, owner_bytes)
             back.check_same_everywhere(plan.fingerprint(), "the Muon ownership plan")
             tables = rank_tables(plan, shardings, back.rank)
             outbound = Transport(outbound_lane_group(rank_set.group), self.device)
             self.engines.append(ExchangeEngine(plan, tables, outbound, back, self.rounds_in_flight))
-        self.owner_momentum = self.overlap and bool(self.engines)
-        self._overlaps = [BackwardOverlap(self.muon_params, e) if self.owner_momentum else None for e in self.engines]
+        self.sharded_engines = list(self.engines)
+        if None in units:  # matrices this rank holds whole: a one-rank exchange, no collectives
+            alone = Transport(None, self.device)
+            plan = build_plan(units[None], shardings, 1, round_bytes, self._unit_flops, owner_bytes)
+            self.engines.append(ExchangeEngine(plan, rank_tables(plan, shardings, 0), alone, alone, self.rounds_in_flight))
+        self.owner_momentum = self.overlap and bool(self.sharded_engines)
+        self._overlaps = [BackwardOverlap(self.muon_params, e) if self._owners_hold(e) else None for e in self.engines]
         self._layout_ready = True
 
     def _ensure_state(self) -> None:
@@ -199,8 +191,7 @@ class Muon(Optimizer):
             if not group["use_muon"]:
                 for p in group["params"]:
                     if not self.state[p]:
-                        self.state[p].update(step=torch.tensor(0.0, dtype=torch.float32, device=self.adamw_step_device(p)),
-                                             exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))  # fmt: skip
+                        self.state[p].update(new_adamw_state(p, self.adamw_implementation))
         for entry in self.muon_params:
             state = self.state[entry.param]
             if self.owner_momentum and entry.sharding is not None:  # momentum on the owners
@@ -208,7 +199,7 @@ class Muon(Optimizer):
                     state.setdefault(key, value)
             elif not state:
                 state.update(self.storage.create(entry.param))
-        for s, engine in enumerate(self.engines if self.owner_momentum else []):
+        for s, engine in enumerate(self.sharded_engines if self.owner_momentum else []):
             for u in engine.owned_units():
                 if (s, u) not in self.owner_blocks:
                     unit = engine.units[u]
@@ -228,7 +219,7 @@ class Muon(Optimizer):
         self._align_gradients()
         params = [p for g in self.param_groups for p in g["params"]]
         with phase("check_gradients"):
-            verdict = agree_on_gradients(params, self._flat_name, self.transport, self._overlaps, self.nonfinite_grads)
+            verdict = agree_on_gradients(params, lambda i: self._names[i], self.transport, self._overlaps, self.nonfinite_grads)
         if verdict.skip_step:
             self.skipped_steps += 1
             self._set_metrics({"muon/skipped_steps": float(self.skipped_steps)})
@@ -242,7 +233,7 @@ class Muon(Optimizer):
         with phase("commit"):
             self._commit(verdict, work)
         with phase("adamw"):
-            self._adamw_step()
+            adamw_step(self.param_groups, self.state, self.adamw_implementation)
         timer.stop("step")
         self._finish_metrics(work, timer, verdict)
         return loss
@@ -255,21 +246,19 @@ class Muon(Optimizer):
                 if isinstance(p.grad, DTensor) and isinstance(p, DTensor) and tuple(p.grad.placements) != tuple(p.placements):
                     p.grad = p.grad.redistribute(p.device_mesh, p.placements)
 
+    def _owners_hold(self, engine: ExchangeEngine) -> bool:
+        """Whether `engine`'s owners hold its matrices' momentum (overlap), so raw gradients travel."""
+        return self.owner_momentum and engine in self.sharded_engines
+
     def _exchange(self, verdict: Verdict, failure: StepFailure, timer: StepTimer, work: StepWork) -> None:
-        """Every rank set's rounds, and the matrices this rank holds whole while the first rounds travel."""
+        """Every rank set's rounds; last, the matrices this rank holds whole (a one-rank exchange)."""
         momenta: dict[int, Tensor] = {}  # decoded once per parameter and step
-
-        def fill(piece: Piece, slot: Tensor, engine: ExchangeEngine) -> None:
-            entry = self.muon_params[engine.units[piece.unit].param]
-            self._matrix_to_send(entry, piece, verdict, momenta, out=slot)
-
-        local_done = not self.local_units
         for s, engine in enumerate(self.engines):
             early = verdict.early[s]
             scales = early.scales if early is not None else {}
 
-            def meanwhile() -> None:
-                self._orthogonalize_local(verdict, failure, timer, work)
+            def fill(piece: Piece, slot: Tensor, engine=engine) -> None:
+                self._matrix_to_send(self.muon_params[engine.units[piece.unit].param], piece, verdict, momenta, out=slot)
 
             def receive(r: int, piece: Piece, update: Tensor, engine=engine) -> None:
                 entry = self.muon_params[engine.units[piece.unit].param]
@@ -277,18 +266,12 @@ class Muon(Optimizer):
                     work.updates.append((entry, local_piece(entry.stack(entry.param), piece), update))
 
             work.held += engine.run(
-                dtype=torch.float32 if self.owner_momentum else self.comm_dtype,
-                return_dtype=self.comm_dtype,
-                fill=lambda piece, slot, engine=engine: fill(piece, slot, engine),
+                dtype=torch.float32 if self._owners_hold(engine) else self.comm_dtype, return_dtype=self.comm_dtype,
+                fill=fill, receive=receive, failure=failure, memory=work.memory,
                 orthogonalize=lambda r, batches, s=s, scales=scales: self._orthogonalize_owned(s, r, batches, scales, verdict, timer, work),
                 key_of=lambda u, engine=engine: self._ns_key(engine.units[u]),
-                receive=receive, failure=failure, memory=work.memory,
                 arrived=early.arrived if early is not None else None,
-                meanwhile=None if local_done else meanwhile,
             )  # fmt: skip
-            local_done = True
-        if not local_done:
-            self._orthogonalize_local(verdict, failure, timer, work)
 
     def _matrix_to_send(self, entry: MuonParam, piece: Piece, verdict: Verdict, momenta: dict[int, Tensor], out: Tensor) -> None:
         """A piece as it travels: the Nesterov input g + μ(M' − g) from this rank's momentum, or
@@ -308,42 +291,17 @@ class Muon(Optimizer):
             else:
                 out.copy_(nesterov_input(grad, momentum, entry.group["momentum"], entry.group["nesterov"]))
 
-    def _orthogonalize_local(self, verdict: Verdict, failure: StepFailure, timer: StepTimer, work: StepWork) -> None:
-        """Matrices this rank holds whole: orthogonalized while the first rounds travel."""
-        if failure.error is not None:
-            return
-        try:
-            by_key: dict[tuple, list[tuple[Unit, Tensor]]] = defaultdict(list)
-            momenta: dict[int, Tensor] = {}
-            with phase("pack"):
-                for unit in self.local_units:
-                    entry = self.muon_params[unit.param]
-                    if id(entry.param) in verdict.skipped:
-                        continue
-                    piece = Piece(0, 0, 0, (0, unit.rows), (0, unit.cols), (unit.matrix, unit.row_start, unit.row_end))
-                    matrix = torch.empty(unit.shape, dtype=self.comm_dtype, device=self.device)
-                    self._matrix_to_send(entry, piece, verdict, momenta, out=matrix)
-                    by_key[self._ns_key(unit)].append((unit, matrix))
-            for key, members in by_key.items():
-                result = self._newton_schulz(key, torch.stack([m for _, m in members]).float(), timer, work)
-                work.memory.add(result.numel() * result.element_size())  # held until the commit
-                for (unit, _), out in zip(members, result):
-                    entry = self.muon_params[unit.param]
-                    work.updates.append((entry, entry.stack(entry.param)[unit.matrix, unit.row_start : unit.row_end], out))
-        except Exception as error:  # noqa: BLE001 - settled on every rank in agree_on_success
-            failure.record(error, "Newton-Schulz of whole local matrices")
-
     def _orthogonalize_owned(self, s: int, r: int, batches: list[Batch], scales: dict, verdict: Verdict, timer: StepTimer,
                              work: StepWork) -> dict[int, Tensor]:  # fmt: skip
         results: dict[int, Tensor] = {}
         for batch in batches:
             matrices = batch.matrices
-            if self.owner_momentum:
+            if self._owners_hold(self.engines[s]):
                 with phase("owner_momentum"):
                     matrices = self._owner_nesterov(s, batch.units, matrices, scales.get(r, {}), verdict, work)
             workspace = 4 * matrices.numel() * matrices.element_size()  # input, Gram, polynomial, result
             work.memory.add(workspace)
-            out = self._newton_schulz(batch.key, matrices, timer, work)
+            out = self.newton_schulz(batch.key, matrices, timer, work)
             work.memory.free(workspace)
             results.update(zip(batch.units, out.unbind(0)))
         return results
@@ -368,139 +326,43 @@ class Muon(Optimizer):
             state = self.owner_blocks[(s, u)]
             new = nesterov_input_and_momentum(grad, self.storage.load(state), entry.group["momentum"], entry.group["nesterov"], out=slot)
             first_row = unit.matrix * entry.param.shape[-2] + unit.row_start
-            work.staged.append((state, self._staged(state, new, unit.param, first_row, work)))
+            work.staged.append((state, staged_state(self.storage, state, new, unit.param, first_row, work.memory)))
         return out.to(self.comm_dtype).float() if self.comm_dtype != torch.float32 else out
-
-    def _staged(self, state: dict, momentum: Tensor, stream: int, first_row: int | None, work: StepWork) -> dict:
-        """`state`'s tensors after storing `momentum`, computed now (before the agreement) so
-        that the commit only swaps them in: it allocates nothing and cannot fail half-way."""
-        if self.storage.name == "fp32" and not isinstance(state["momentum_buffer"], DTensor):
-            work.memory.add(momentum.numel() * 4)
-            return {"momentum_buffer": momentum}
-        staged = {key: value.clone() for key, value in state.items()}
-        self.storage.store(staged, momentum, stream=stream, first_row=first_row)
-        work.memory.add(sum(local_shard(v).numel() * v.element_size() for v in staged.values()))
-        return staged
 
     def _ns_key(self, unit: Unit) -> tuple[tuple[int, int], int]:
         """Matrices batch together when they have one shape and one param group's settings."""
         return (unit.shape, self.muon_params[unit.param].group_index)
 
-    def _newton_schulz(self, key: tuple, matrices: Tensor, timer: StepTimer, work: StepWork) -> Tensor:
-        """Orthogonalize a batch of equal-shape matrices and scale them by their shape's factor."""
-        shape, group_index = key
-        group = self.param_groups[group_index]
-        steps, algorithm = group["ns_steps"], self._ns_algorithm(group, *shape)
-        timer.start("ns")
-        with phase("newton_schulz"):
-            ortho = orthogonalize(matrices, steps, group["ns_coefficients"], self.ns_dtype, group["ns_eps"], algorithm)
-        timer.stop("ns")
-        work.ns_flops += matrices.shape[0] * newton_schulz_flops(*shape, steps, algorithm)
-        scaled = ortho.float().mul_(update_scale(group["adjust_lr_fn"], *shape))
-        work.update_sq.append(torch.linalg.vector_norm(scaled).square() * group["lr"] ** 2)
-        work.update_numel += scaled.numel()
-        return scaled
+    def _unit_flops(self, unit: Unit) -> int:
+        return self.newton_schulz.flops(self.muon_params[unit.param].group, unit.rows, unit.cols)
 
-    def _ns_algorithm(self, group: dict, rows: int, cols: int) -> str:
-        algorithm = group["ns_algorithm"]
-        return resolve_algorithm(rows, cols, self.ns_dtype, self.device.type) if algorithm == "auto" else algorithm
-
-    def _unit_ns_flops(self, unit: Unit) -> int:
-        """What the owner of `unit` will spend on it: the plan balances owners on this."""
-        group = self.muon_params[unit.param].group
-        return newton_schulz_flops(unit.rows, unit.cols, group["ns_steps"], self._ns_algorithm(group, unit.rows, unit.cols))
+    def _sharded_momentum(self, verdict: Verdict) -> list[MuonParam]:
+        """Parameters with a gradient whose momentum this rank holds as its own block."""
+        owners_hold = self.owner_momentum
+        return [e for e in self.muon_params if id(e.param) not in verdict.skipped and not (owners_hold and e.sharding is not None)]
 
     def _stage_commit(self, verdict: Verdict, failure: StepFailure, work: StepWork) -> None:
-        """New momentum of the parameters whose momentum this rank holds sharded, before the
-        agreement: staged tensors for bf16/fp8 storage; fp32 momentum is updated in place at
-        the commit from fp32 gradients (copied to fp32 here if they are not)."""
         if failure.error is not None:
             return
         try:
-            for entry in self.muon_params:
-                p = entry.param
-                if id(p) in verdict.skipped or (self.owner_momentum and entry.sharding is not None):
-                    continue
-                grad = local_shard(p.grad)
-                if self.storage.name == "fp32":
-                    if grad.dtype != torch.float32:
-                        work.grads32[entry.index] = grad.float()
-                        work.memory.add(grad.numel() * 4)
-                    continue
-                momentum = self.storage.load(self.state[p])
-                momentum.lerp_(grad.float(), 1 - entry.group["momentum"])
-                work.staged.append((self.state[p], self._staged(self.state[p], momentum, entry.index, None, work)))
+            stage_momentum(self.storage, self._sharded_momentum(verdict), self.state, work)
         except Exception as error:  # noqa: BLE001 - settled on every rank in agree_on_success
             failure.record(error, "staging the new momentum")
 
     def _commit(self, verdict: Verdict, work: StepWork) -> None:
-        """Momentum (from the same inputs as the step used), then parameters; allocates nothing."""
-        for target, staged in work.staged:
-            target.update(staged)
-        if self.storage.name == "fp32":
-            for entry in self.muon_params:
-                p = entry.param
-                if id(p) in verdict.skipped or (self.owner_momentum and entry.sharding is not None):
-                    continue
-                grad = work.grads32.get(entry.index, local_shard(p.grad))
-                local_shard(self.state[p]["momentum_buffer"]).lerp_(grad, 1 - entry.group["momentum"])
+        commit(self.storage, self._sharded_momentum(verdict), self.state, self.param_groups, work)
         if self.owner_momentum:
             for entry in self.muon_params:
                 if entry.sharding is not None and id(entry.param) not in verdict.skipped and "step" in self.state[entry.param]:
                     self.state[entry.param]["step"] += 1  # its blocks count their stores the same way
-        by_group: dict[tuple, tuple[list[Tensor], list[Tensor]]] = defaultdict(lambda: ([], []))
-        for entry, target, update in work.updates:
-            targets, updates = by_group[(entry.group_index, target.dtype)]
-            targets.append(target)
-            updates.append(update)
-        for (group_index, _), (targets, updates) in by_group.items():
-            group = self.param_groups[group_index]
-            apply_updates_(targets, updates, group["lr"], group["weight_decay"])
 
     def adamw_step_device(self, p: Tensor) -> torch.device:
-        """Where AdamW's step counter lives, as torch.optim.AdamW keeps it: the fused kernel reads
-        it on the device; the others read it on the host each step, which on a device would sync."""
-        return p.device if self.adamw_implementation == "fused" else torch.device("cpu")
-
-    def _adamw_step(self) -> None:
-        for group in self.param_groups:
-            if group["use_muon"]:
-                continue
-            live = [p for p in group["params"] if p.grad is not None]
-            if not live:
-                continue
-            states = [self.state[p] for p in live]
-            beta1, beta2 = group["betas"]
-            adamw_functional(
-                [local_shard(p) for p in live], [local_shard(p.grad) for p in live],
-                [local_shard(s["exp_avg"]) for s in states], [local_shard(s["exp_avg_sq"]) for s in states], [],
-                [s["step"] for s in states], amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
-                weight_decay=group["weight_decay"], eps=group["eps"], maximize=False,
-                foreach=self.adamw_implementation == "foreach", fused=self.adamw_implementation == "fused",
-            )  # fmt: skip
+        return adamw_step_device(p, self.adamw_implementation)
 
     # ---------------------------------------------------------------- metrics
 
-    def _lanes(self) -> list[Transport]:
-        return [lane for e in self.engines for lane in (e.outbound, e.back)]
-
     def _finish_metrics(self, work: StepWork, timer: StepTimer, verdict: Verdict) -> None:
-        lanes = self._lanes()
-        metrics: dict[str, float | Tensor] = {
-            "muon/step_time_ms": timer.elapsed_ms("step"),
-            "muon/ns_time_ms": timer.elapsed_ms("ns"),
-            "muon/ns_flops": float(work.ns_flops),
-            "muon/bytes_sent": float(sum(lane.bytes_sent for lane in lanes)),
-            "muon/bytes_sent_to_owners": float(sum(e.bytes_to_owners for e in self.engines)),
-            "muon/bytes_received": float(sum(lane.bytes_received for lane in lanes)),
-            "muon/skipped_steps": float(self.skipped_steps),
-            "muon/peak_transient_bytes": float(work.memory.peak),
-            "muon/rounds": float(sum(len(e.tables) for e in self.engines)),
-        }
-        for lane in lanes:  # what the next step's backward sends is counted from here
-            lane.bytes_sent = lane.bytes_received = 0
-        if work.update_sq:
-            metrics["muon/update_rms"] = (torch.stack(work.update_sq).sum() / work.update_numel).sqrt()
+        metrics = step_metrics(work, timer, self.engines, self.skipped_steps)
         metrics.update(overlap_metrics(verdict.early))
         self._set_metrics(metrics)
 
@@ -521,13 +383,6 @@ class Muon(Optimizer):
         tensors = [v for state in self.state.values() for v in state.values() if isinstance(v, Tensor)]
         tensors += [v for block in self.owner_blocks.values() for v in block.values()]
         return sum(local_shard(t).numel() * local_shard(t).element_size() for t in tensors if t.ndim > 0)
-
-    def _flat_name(self, i: int) -> str:
-        for gi, group in enumerate(self.param_groups):
-            if i < len(group["params"]):
-                return self.param_name(gi, i)
-            i -= len(group["params"])
-        raise IndexError(i)
 
     # ------------------------------------------------------------ checkpoints
 

@@ -28,7 +28,7 @@ import functools
 import hashlib
 import heapq
 import itertools
-from collections import Counter, defaultdict
+from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
