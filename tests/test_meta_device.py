@@ -14,6 +14,9 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
 from meta_device import DeviceAudit, meta_process_group
 from titan_muon import Muon, build_param_groups
 
@@ -162,3 +165,45 @@ def test_transient_memory_is_bounded_by_the_window():
         with DeviceAudit():  # answers the metrics' device reads
             peak = opt.last_step_metrics["muon/peak_transient_bytes"]
         assert peak - held <= k * outbound + (k + 1) * back + 5 * owned, (layers, peak, held)
+
+
+class _Allocations(TorchDispatchMode):
+    """Records every op that returns a new tensor of more than one element: an op that neither
+    writes into one of its arguments nor returns a view of one. (0-dim results — the weight
+    decay factor — are a few bytes.)"""
+
+    def __init__(self):
+        super().__init__()
+        self.allocating: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        schema = func._schema
+        writes = any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+        views = any(r.alias_info is not None for r in schema.returns)
+        results = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        if func.namespace != "profiler" and not writes and not views and any(t.numel() > 1 for t in results):
+            self.allocating.append(str(func))
+        return out
+
+
+@pytest.mark.parametrize("case", ["fp32", "bf16-momentum", "fp8-momentum", "overlap-fp8-split"])
+def test_commit_allocates_nothing(case, monkeypatch):
+    """Everything the commit would allocate is staged before the ranks agree, so an out-of-memory
+    error cannot leave one rank half-committed while the others finished: the commit and the
+    fused AdamW kernel only write in place."""
+    import titan_muon.optimizer as optimizer_module
+
+    recorded = []
+    for name in ("commit", "adamw_step"):
+        original = getattr(optimizer_module, name)
+
+        def watched(*args, original=original, **kwargs):
+            with _Allocations() as mode:
+                result = original(*args, **kwargs)
+            recorded.extend(mode.allocating)
+            return result
+
+        monkeypatch.setattr(optimizer_module, name, watched)
+    _run(1, **CASES[case])
+    assert recorded == [], f"the commit allocated: {sorted(set(recorded))}"

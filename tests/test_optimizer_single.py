@@ -347,3 +347,82 @@ def test_step_phases_are_named_for_the_profiler():
     names = {e.key for e in prof.key_averages()}
     expected = {"check_gradients", "pack", "newton_schulz", "agree_on_success", "commit", "adamw"}
     assert {f"titan_muon/{p}" for p in expected} <= names
+
+
+def test_bf16_weight_decay_uses_the_exact_factor():
+    """bf16 parameters decay by 1 - lr·wd computed in fp32, as ``param.mul_(factor)`` does; the
+    foreach kernels round a Python float factor to bf16 first (0.998 -> 0.99609375: 1.95x the
+    decay). With the update zeroed (lr·U = 0 needs lr = 0, so compare the decay step alone)."""
+    from titan_muon.update import apply_updates_
+
+    weights = torch.full((4, 4), 3.0, dtype=torch.bfloat16)
+    apply_updates_([weights], [torch.zeros(4, 4, dtype=torch.bfloat16)], lr=0.02, weight_decay=0.1)
+    expected = torch.full((4, 4), 3.0, dtype=torch.bfloat16).mul_(1 - 0.02 * 0.1)  # 2.994 rounds to 3.0 in bf16
+    assert torch.equal(weights, expected)
+
+
+def _tiny_optimizer(**kwargs):
+    p, q = nn.Parameter(torch.randn(8, 4)), nn.Parameter(torch.randn(4))
+    opt = Muon([{"params": [p]}, {"params": [q], "use_muon": False}], **kwargs)
+    return opt, p, q
+
+
+def _step(opt, p, q, seed):
+    g = torch.Generator().manual_seed(seed)
+    p.grad, q.grad = torch.randn(p.shape, generator=g), torch.randn(q.shape, generator=g)
+    opt.step()
+
+
+@pytest.mark.parametrize("shape", [(), (1,), (1, 1)])
+def test_tensor_learning_rates_of_one_element_equal_the_number(shape):
+    """torch.optim accepts a one-element tensor lr; the step must take it as the number it holds."""
+    expected, p0, q0 = _tiny_optimizer(lr=0.01)
+    opt, p, q = _tiny_optimizer(lr=torch.full(shape, 0.01))
+    p.data.copy_(p0), q.data.copy_(q0)
+    for seed in range(2):
+        _step(expected, p0, q0, seed)
+        _step(opt, p, q, seed)
+    assert torch.equal(p, p0) and torch.equal(q, q0)
+
+
+def test_bad_lr_tensor_and_sparse_gradient_are_refused_by_name_before_anything_changes():
+    with pytest.raises(ValueError, match=r"param group 0: lr must be a number or a one-element tensor, got a tensor of shape \(2,\)"):
+        Muon([nn.Parameter(torch.randn(8, 4))], lr=torch.tensor([0.01, 0.02]))
+    opt, p, q = _tiny_optimizer(lr=0.01)
+    _step(opt, p, q, 0)
+    before = (p.detach().clone(), opt.state[p]["momentum_buffer"].clone())
+    opt.param_groups[0]["lr"] = torch.tensor([0.01, 0.02])  # a schedule gone wrong
+    with pytest.raises(ValueError, match="lr must be a number or a one-element tensor"):
+        _step(opt, p, q, 1)
+    opt.param_groups[0]["lr"] = 0.01
+    p.grad = torch.randn(8, 4).to_sparse()
+    with pytest.raises(ValueError, match=r"'param_groups\[0\]\.params\[0\] \(shape \(8, 4\)\)' has a sparse gradient"):
+        opt.step()
+    assert torch.equal(p, before[0]) and torch.equal(opt.state[p]["momentum_buffer"], before[1])
+
+
+def test_three_dimensional_parameters_need_an_explicit_opt_in():
+    """A Conv1d weight (32, 16, 3) is not 32 matrices 16x3; only experts are stacks, by opt-in."""
+    conv = nn.Conv1d(16, 32, 3)
+    with pytest.raises(ValueError, match=r"has shape \(32, 16, 3\): a 3-D parameter .* matrix_stacks=True"):
+        Muon([{"params": [conv.weight]}])
+    Muon([{"params": [nn.Parameter(torch.randn(4, 16, 8))], "matrix_stacks": True}])
+
+
+def test_eps_in_a_muon_group_is_refused():
+    """torch.optim.Muon's eps is Newton-Schulz's; here that is ns_eps and eps is AdamW's."""
+    with pytest.raises(ValueError, match="'eps' is AdamW's epsilon .* 'ns_eps'"):
+        Muon([{"params": [nn.Parameter(torch.randn(8, 4))], "eps": 1e-5}])
+
+
+def test_state_dict_round_trips_and_a_deep_copy_steps_like_the_original():
+    opt, p, q = _tiny_optimizer(lr=0.01)
+    _step(opt, p, q, 0)
+    saved = opt.state_dict()
+    opt.load_state_dict(saved)
+    assert opt.state_dict()["param_groups"] == saved["param_groups"]  # torch's loader adds "differentiable"
+    clone = copy.deepcopy(opt)
+    cp, cq = clone.param_groups[0]["params"][0], clone.param_groups[1]["params"][0]
+    _step(opt, p, q, 1)
+    _step(clone, cp, cq, 1)
+    assert torch.equal(cp, p) and torch.equal(cq, q)

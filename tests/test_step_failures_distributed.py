@@ -10,7 +10,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard
 
-import titan_muon.optimizer as optimizer_module
+import importlib
 from distributed import run_distributed
 from test_optimizer_distributed import SHAPES, _distributed_params, _optimizer, _set_grads
 
@@ -36,21 +36,17 @@ def _fail_once(rank, world, where, failing_rank, path, overrides):
     _set_grads(module, 1, mesh, [Shard(0)])
     before = _snapshot(module, opt)
 
-    original = getattr(optimizer_module, where)
-
-    def broken(*args, **kwargs):
-        if rank == failing_rank:
-            raise MemoryError("injected failure")
-        return original(*args, **kwargs)
-
-    setattr(optimizer_module, where, broken)
+    module_name, attribute = where.split(":")
+    target = importlib.import_module(module_name)
+    original = getattr(target, attribute)
+    setattr(target, attribute, _broken(original, rank == failing_rank))
     try:
         opt.step()
         outcome = ("ok", "")
     except RuntimeError as error:
         outcome = (type(error).__name__, str(error))
     finally:
-        setattr(optimizer_module, where, original)
+        setattr(target, attribute, original)
     unchanged = _unchanged(before, _snapshot(module, opt))
 
     # State was untouched, so a checkpoint taken now and a retry give the clean run's result.
@@ -73,6 +69,35 @@ def _fail_once(rank, world, where, failing_rank, path, overrides):
     return {"outcome": outcome, "unchanged": unchanged, "retried": retried, "resumed": resumed}
 
 
+class _AllocationFailsOnce:
+    """`torch` as one module sees it, except that its first `torch.empty` raises (an out-of-memory
+    error while allocating an exchange buffer)."""
+
+    def __init__(self, torch_module):
+        self._torch, self._failed = torch_module, False
+
+    def __getattr__(self, name):
+        if name == "empty" and not self._failed:
+            def empty(*args, **kwargs):
+                self._failed = True
+                raise MemoryError("injected failure")
+
+            return empty
+        return getattr(self._torch, name)
+
+
+def _broken(original, failing):
+    if not failing:
+        return original
+    if original is torch:
+        return _AllocationFailsOnce(torch)
+
+    def broken(*args, **kwargs):
+        raise MemoryError("injected failure")
+
+    return broken
+
+
 def _clean(rank, world, overrides):
     mesh = init_device_mesh("cpu", (world,))
     module = _distributed_params(mesh, [Shard(0)])
@@ -86,12 +111,15 @@ def _clean(rank, world, overrides):
 @pytest.mark.parametrize(
     "world,where,failing_rank,overrides",
     [
-        (2, "orthogonalize", 1, {}),
-        (3, "orthogonalize", 2, {"momentum_dtype": "bf16"}),
-        (3, "nesterov_input", 0, {}),
-        (2, "nesterov_input", 1, {"rounds_in_flight": 1}),
+        (2, "titan_muon.orthogonalizer:orthogonalize", 1, {}),
+        (3, "titan_muon.orthogonalizer:orthogonalize", 2, {"momentum_dtype": "bf16"}),
+        (3, "titan_muon.optimizer:nesterov_input", 0, {}),
+        (2, "titan_muon.optimizer:nesterov_input", 1, {"rounds_in_flight": 1}),
+        (3, "titan_muon.exchange:torch", 1, {}),  # allocating an exchange buffer: recorded, retried once
+        (2, "titan_muon.exchange:assemble", 0, {}),
+        (3, "titan_muon.commit:staged_state", 2, {"momentum_dtype": "fp8"}),
     ],
-    ids=["ns-W2", "ns-W3-bf16-momentum", "packing-W3", "packing-W2-window1"],
+    ids=["ns-W2", "ns-W3-bf16-momentum", "packing-W3", "packing-W2-window1", "exchange-buffer-W3", "assemble-W2", "staging-fp8-W3"],
 )
 def test_failure_on_one_rank_raises_everywhere_and_changes_nothing(tmp_path, world, where, failing_rank, overrides):
     results = run_distributed(_fail_once, world, where, failing_rank, str(tmp_path), overrides, timeout=240)

@@ -72,9 +72,12 @@ def load_state_dict(opt, state_dict: dict, torch_load) -> None:
     state = {i: _PassedThrough(value) if i in muon_indices else value for i, value in state_dict["state"].items()}
     torch_load({**state_dict, "state": state})
     tensor_keys = opt.storage.tensor_keys  # the rest are counters, kept on the host
-    for group in opt.param_groups:
+    for group, saved in zip(opt.param_groups, saved_groups):
+        for key in set(group) - set(saved) - set(opt.GROUP_KEYS):  # torch's loader adds its own (differentiable)
+            del group[key]
         for key, value in opt.defaults.items():  # checkpoints written before a setting existed
-            group.setdefault(key, value)
+            if key in opt.GROUP_KEYS:
+                group.setdefault(key, value)
         for p in group["params"]:
             loaded = opt.state.get(p)
             if isinstance(loaded, _PassedThrough):

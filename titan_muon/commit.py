@@ -81,7 +81,7 @@ def commit(storage, entries, state: dict, param_groups: list[dict], work: StepWo
         updates.append(update)
     for (group_index, _), (targets, updates) in by_group.items():
         group = param_groups[group_index]
-        apply_updates_(targets, updates, group["lr"], group["weight_decay"])
+        apply_updates_(targets, updates, float(group["lr"]), group["weight_decay"])  # a device lr: one host read
 
 
 def adamw_step_device(p: Tensor, implementation: str) -> torch.device:

@@ -81,6 +81,9 @@ class Muon(Optimizer):
             pieces to the owners during backward (overlap.py). Same math as overlap=False.
     """
 
+    GROUP_KEYS = ("params", "param_names", "lr", "weight_decay", "momentum", "nesterov", "ns_steps", "adjust_lr_fn",
+                  "ns_coefficients", "ns_algorithm", "ns_eps", "betas", "eps", "use_muon", "matrix_stacks")  # fmt: skip
+
     def __init__(
         self,
         params,
@@ -120,7 +123,7 @@ class Muon(Optimizer):
         defaults = dict(
             lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
             adjust_lr_fn=adjust_lr_fn, ns_coefficients=ns_coefficients, ns_algorithm=ns_algorithm, ns_eps=ns_eps,
-            betas=adamw_betas, eps=adamw_eps, use_muon=True,
+            betas=adamw_betas, eps=adamw_eps, use_muon=True, matrix_stacks=False,
         )  # fmt: skip
         self._layout_ready = False
         super().__init__(params, defaults)
@@ -133,8 +136,9 @@ class Muon(Optimizer):
     # ------------------------------------------------------------------ setup
 
     def add_param_group(self, param_group: dict) -> None:
+        given = dict(param_group)
         super().add_param_group(param_group)
-        settings.validate_group(self.param_groups[-1], len(self.param_groups) - 1)
+        settings.validate_group(self.param_groups[-1], len(self.param_groups) - 1, given)
         if self._layout_ready:  # a group added after construction: plan again (collectively)
             self._build_layout()
 
@@ -156,7 +160,7 @@ class Muon(Optimizer):
         for gi, group in enumerate(self.param_groups):
             for pi, p in enumerate(group["params"]):
                 if group["use_muon"]:
-                    settings.check_muon_param(p, self.param_name(gi, pi))
+                    settings.check_muon_param(p, self.param_name(gi, pi), group)
                     self.muon_params.append(MuonParam(p, self.param_name(gi, pi), group, gi, len(self.muon_params), None))
                 elif not p.dtype.is_floating_point:
                     raise ValueError(f"titan_muon.Muon: parameter {self.param_name(gi, pi)!r} has dtype {p.dtype}; floating-point parameters only")
@@ -213,6 +217,7 @@ class Muon(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        settings.check_step(self.param_groups, self.param_name)
         timer = StepTimer(self.device)
         timer.start("step")
         self._ensure_state()
@@ -385,6 +390,18 @@ class Muon(Optimizer):
         return sum(local_shard(t).numel() * local_shard(t).element_size() for t in tensors if t.ndim > 0)
 
     # ------------------------------------------------------------ checkpoints
+
+    _CARRIED = ("exchange_memory_mb", "rounds_in_flight", "ns_dtype_setting", "comm_dtype_setting", "nonfinite_grads",
+                "row_blocks", "overlap", "adamw_implementation", "storage", "skipped_steps", "owner_blocks")  # fmt: skip
+
+    def __getstate__(self) -> dict:
+        return {**super().__getstate__(), **{key: self.__dict__[key] for key in self._CARRIED}}
+
+    def __setstate__(self, state: dict) -> None:
+        """A copy (``copy.deepcopy``) plans its layout again: a collective, like construction."""
+        super().__setstate__(state)
+        self._overlaps, self._metrics, self._metrics_read = [], {}, None
+        self._build_layout()
 
     def state_dict(self) -> dict:
         """With momentum on the owners, their blocks travel back into state tensors laid out

@@ -70,7 +70,7 @@ def build_param_groups(
     if isinstance(named_parameters, nn.Module):
         named_parameters = named_parameters.named_parameters()
     adamw_patterns, muon_patterns = tuple(adamw_patterns), tuple(muon_patterns)
-    muon = {"params": [], "param_names": [], "use_muon": True}
+    muon = {"params": [], "param_names": [], "use_muon": True, "matrix_stacks": True}  # 3-D Muon parameters are experts
     adamw = {"params": [], "param_names": [], "use_muon": False}
     for name, param in named_parameters:
         if not param.requires_grad:

@@ -78,10 +78,26 @@ def check_options(ns_dtype: str, comm_dtype: str, nonfinite_grads: str, adamw_im
         )
 
 
-def validate_group(group: dict, index: int) -> None:
+def check_lr(group: dict, index: int) -> None:
+    """A number or a one-element tensor (as torch.optim takes), checked without reading a value."""
+    lr = group["lr"]
+    if isinstance(lr, torch.Tensor) and lr.numel() != 1:
+        raise ValueError(f"titan_muon.Muon: param group {index}: lr must be a number or a one-element tensor, got a tensor of shape {tuple(lr.shape)}")
+    if not isinstance(lr, (int, float, torch.Tensor)) or isinstance(lr, bool):
+        raise ValueError(f"titan_muon.Muon: param group {index}: lr must be a number or a one-element tensor, got {lr!r}")
+
+
+def validate_group(group: dict, index: int, given: dict | None = None) -> None:
+    """Checks of a param group's settings; `given` is the group as the caller passed it."""
     where = f"titan_muon.Muon: param group {index}"
-    if not group["lr"] >= 0:
+    check_lr(group, index)
+    if not float(group["lr"]) >= 0:
         raise ValueError(f"{where}: lr must be >= 0, got {group['lr']}")
+    if group["use_muon"] and given is not None and "eps" in given:
+        raise ValueError(
+            f"{where}: 'eps' is AdamW's epsilon and does nothing in a Muon group; Newton-Schulz's epsilon "
+            "(torch.optim.Muon's eps) is 'ns_eps'"
+        )
     if not group["weight_decay"] >= 0:
         raise ValueError(f"{where}: weight_decay must be >= 0, got {group['weight_decay']}")
     if group["use_muon"]:
@@ -107,9 +123,16 @@ def validate_group(group: dict, index: int) -> None:
             raise ValueError(f"{where}: eps must be > 0, got {group['eps']}")
 
 
-def check_muon_param(p: torch.Tensor, name: str) -> None:
+def check_muon_param(p: torch.Tensor, name: str, group: dict) -> None:
     if not p.dtype.is_floating_point:
         raise ValueError(f"titan_muon.Muon: parameter {name!r} has dtype {p.dtype}; floating-point parameters only")
+    if p.ndim == 3 and not group.get("matrix_stacks", False):
+        raise ValueError(
+            f"titan_muon.Muon: parameter {name!r} has shape {tuple(p.shape)}: a 3-D parameter is orthogonalized as a "
+            "stack of matrices (one per index of dim 0, as MoE experts are) only in a param group with "
+            "matrix_stacks=True (titan_muon.build_param_groups sets it for experts). A convolution's "
+            "(out, in, kernel) weight is not such a stack: put it in a group with use_muon=False."
+        )
     if p.ndim not in (2, 3) or p.numel() == 0:
         raise ValueError(
             f"titan_muon.Muon: parameter {name!r} has shape {tuple(p.shape)}; Muon groups take non-empty "
@@ -124,3 +147,13 @@ def common_device(params: list[torch.Tensor]) -> torch.device:
     if len(devices) > 1:
         raise ValueError(f"titan_muon.Muon: parameters live on several devices {sorted(map(str, devices))}; use one")
     return devices.pop() if devices else torch.device("cpu")
+
+
+def check_step(param_groups: list[dict], name_of) -> None:
+    """What may have changed since construction (an lr schedule, the gradients), checked before
+    the step changes anything; `name_of(group_index, index)` names a parameter."""
+    for gi, group in enumerate(param_groups):
+        check_lr(group, gi)
+        for pi, p in enumerate(group["params"]):
+            if p.grad is not None and p.grad.is_sparse:
+                raise ValueError(f"titan_muon.Muon: parameter {name_of(gi, pi)!r} has a sparse gradient; Muon and its AdamW groups take dense gradients")
