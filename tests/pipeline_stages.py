@@ -4,6 +4,7 @@ A module of its own so that the spawned ranks import only torch and titan_muon, 
 torchtitan (the test module imports it for its launches).
 """
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -48,3 +49,35 @@ def stage_run(rank, world):
         "exchange_ranks": sorted(dist.get_process_group_ranks(optimizer.transport.group)),
         "params": {n: p.full_tensor() for n, p in named.items()},
     }
+
+
+def stage_skip_run(rank, world, policy):
+    """PP 2 x FSDP 2; at step 1 only stage 1 sees a NaN gradient. With the pipeline group
+    passed, both stages skip (or both raise): a stage must not step while another skips."""
+    mesh = init_device_mesh("cpu", (2, DP), mesh_dim_names=("pp", "dp"))
+    stage = mesh.get_coordinate()[0]
+    full = make_params(stage, STAGE_SHAPES[stage])
+    module = nn.Module()
+    for name, tensor in full.items():
+        module.register_parameter(name, nn.Parameter(distribute_tensor(tensor, mesh["dp"], [Shard(0)])))
+    named = dict(module.named_parameters())
+    groups = [
+        {"params": [(n, p) for n, p in named.items() if n in MUON]},
+        {"params": [(n, p) for n, p in named.items() if n not in MUON], "use_muon": False},
+    ]
+    optimizer = Muon(groups, nonfinite_grads=policy, pipeline_group=mesh["pp"].get_group(), **SETTINGS)
+    outcome, before = "stepped", None
+    for step in range(2):
+        grads = grads_for(step, full)
+        if step == 1 and stage == 1:
+            grads["c"][0, 0] = float("nan")
+        for name, grad in grads.items():
+            named[name].grad = distribute_tensor(grad, mesh["dp"], [Shard(0)])
+        before = {n: p.full_tensor() for n, p in named.items()}
+        try:
+            optimizer.step()
+        except FloatingPointError as error:
+            outcome = str(error)
+    after = {n: p.full_tensor() for n, p in named.items()}
+    unchanged = all(torch.equal(before[n], after[n]) for n in before)
+    return {"stage": stage, "outcome": outcome, "unchanged": unchanged, "skipped": optimizer.skipped_steps}

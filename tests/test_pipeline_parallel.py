@@ -14,7 +14,7 @@ from torchtitan.components.loss import cross_entropy_loss
 
 from common import make_params, run_titan
 from distributed import run_distributed, tiny_run_flags
-from pipeline_stages import DP, MUON, SETTINGS, STAGE_SHAPES, STEPS, stage_run
+from pipeline_stages import DP, MUON, SETTINGS, STAGE_SHAPES, STEPS, stage_run, stage_skip_run
 from titan_muon.split import attention_row_blocks
 from titan_muon.torchtitan.launch import read_losses, read_scalars, run_training
 from titan_muon.torchtitan.pipeline import PipelineLoss, check_pipeline_loss, pipeline_loss_builder
@@ -82,6 +82,18 @@ def test_split_accepts_a_stage_without_attention_under_pipeline_parallel_only():
 
 
 # ------------------------------------------------- one optimizer per stage
+
+
+@pytest.mark.parametrize("policy", ["skip", "raise"])
+def test_a_nonfinite_gradient_in_one_stage_skips_or_raises_in_every_stage(policy):
+    """Each stage's optimizer used to decide alone: stage 0 stepped while stage 1 skipped."""
+    for result in run_distributed(stage_skip_run, 2 * DP, policy):
+        assert result["unchanged"], result["stage"]
+        if policy == "skip":
+            assert result["outcome"] == "stepped" and result["skipped"] == 1
+        else:
+            where = "['c']" if result["stage"] == 1 else "another pipeline stage"
+            assert "non-finite" in result["outcome"] and where in result["outcome"]
 
 
 def test_each_stage_optimizer_exchanges_within_its_stage():

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from titan_muon.owner_state import blocks_to_shards, shards_to_blocks
+from titan_muon.settings import GROUP_KEYS
 
 
 @dataclass
@@ -73,10 +74,10 @@ def load_state_dict(opt, state_dict: dict, torch_load) -> None:
     torch_load({**state_dict, "state": state})
     tensor_keys = opt.storage.tensor_keys  # the rest are counters, kept on the host
     for group, saved in zip(opt.param_groups, saved_groups):
-        for key in set(group) - set(saved) - set(opt.GROUP_KEYS):  # torch's loader adds its own (differentiable)
+        for key in set(group) - set(saved) - set(GROUP_KEYS):  # torch's loader adds its own (differentiable)
             del group[key]
         for key, value in opt.defaults.items():  # checkpoints written before a setting existed
-            if key in opt.GROUP_KEYS:
+            if key in GROUP_KEYS:
                 group.setdefault(key, value)
         for p in group["params"]:
             loaded = opt.state.get(p)

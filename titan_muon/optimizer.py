@@ -55,34 +55,22 @@ class Muon(Optimizer):
     with their own ``betas``, ``eps`` and ``weight_decay``. :func:`titan_muon.build_param_groups`
     splits a model the usual way.
 
-    Args follow ``torch.optim.Muon`` (lr, weight_decay, momentum, nesterov, ns_coefficients,
-    ns_steps, adjust_lr_fn) plus:
-        ns_coefficients: "keller" (default), "polar_express", or an (a, b, c) tuple.
-        ns_algorithm: "auto" (default), "standard" or "gram" (docs/newton_schulz.md).
-        ns_dtype: "fp32", "bf16" or "auto" (default: bf16 on CUDA, fp32 elsewhere): dtype of
-            the Newton–Schulz matmuls.
-        comm_dtype: "fp32", "bf16" or "auto" (default: the NS dtype): dtype of the matrices
-            owners orthogonalize and of the updates on the wire (with overlap the raw
-            gradients travel in fp32).
-        adamw_betas, adamw_eps: defaults for AdamW groups ("betas", "eps" group keys).
-        adamw_implementation: torch's AdamW kernel for the AdamW groups: "fused" (default),
-            "foreach" or "for-loop".
-        exchange_memory_mb: per-rank MiB for the exchange buffers of the rounds in flight
-            (default 8192): each round takes at most this / ``rounds_in_flight`` on an owner,
-            except that an owner always takes at least one matrix per round.
-        rounds_in_flight: rounds whose outbound trip runs ahead of the owners' Newton–Schulz.
-        bucket_size_mb, buckets_in_flight: deprecated names of the two above.
-        nonfinite_grads: "raise" (default) raises on every rank; "skip" skips the whole step
-            on every rank, state untouched, counted in ``last_step_metrics``.
-        row_blocks: Muon Split. Maps FQN patterns (fnmatch) to row-block sizes: an int (one
-            block per attention head) or a repeating sequence (e.g. ``(q_nope, q_rope)``).
-        momentum_dtype: "fp32" (default), "bf16" or "fp8": how Muon momentum is stored (state.py).
-        overlap: keep each sharded matrix's momentum on its owner and send the raw gradient
-            pieces to the owners during backward (overlap.py). Same math as overlap=False.
+    Args follow ``torch.optim.Muon`` (lr, weight_decay, momentum, nesterov, ns_steps,
+    adjust_lr_fn), plus (README.md lists them all, docs/ explains them):
+        ns_coefficients ("keller", "polar_express" or (a, b, c)), ns_algorithm ("auto",
+            "standard", "gram"), ns_eps, ns_dtype ("auto": bf16 on CUDA, fp32 elsewhere);
+        comm_dtype: "auto" (the NS dtype), "fp32" or "bf16": matrices and updates on the wire;
+        adamw_betas, adamw_eps, adamw_implementation ("fused", "foreach", "for-loop");
+        exchange_memory_mb: per-GPU MiB for the exchange buffers of the rounds in flight
+            (8192); an owner always takes at least one matrix per round;
+        rounds_in_flight (2); bucket_size_mb, buckets_in_flight: their deprecated names;
+        nonfinite_grads: "raise" on every rank, or "skip" the step on every rank;
+        row_blocks: Muon Split, FQN patterns -> row-block sizes (one block per head);
+        momentum_dtype: "fp32", "bf16" or "fp8" (state.py);
+        overlap: momentum on the owners, gradients sent during backward (overlap.py);
+        pipeline_group: this rank's pipeline: a non-finite gradient in any stage raises or
+            skips in every stage (TorchTitan's container passes it).
     """
-
-    GROUP_KEYS = ("params", "param_names", "lr", "weight_decay", "momentum", "nesterov", "ns_steps", "adjust_lr_fn",
-                  "ns_coefficients", "ns_algorithm", "ns_eps", "betas", "eps", "use_muon", "matrix_stacks")  # fmt: skip
 
     def __init__(
         self,
@@ -110,6 +98,7 @@ class Muon(Optimizer):
         overlap: bool = False,
         momentum_dtype: str = "fp32",
         adamw_implementation: str = "fused",
+        pipeline_group=None,
     ):
         settings.check_options(ns_dtype, comm_dtype, nonfinite_grads, adamw_implementation)
         self.exchange_memory_mb, self.rounds_in_flight = settings.exchange_memory(
@@ -118,6 +107,7 @@ class Muon(Optimizer):
         self.ns_dtype_setting, self.comm_dtype_setting = ns_dtype, comm_dtype
         self.nonfinite_grads, self.row_blocks, self.overlap = nonfinite_grads, dict(row_blocks or {}), overlap
         self.adamw_implementation = adamw_implementation
+        self.pipeline_group = pipeline_group
         self.storage = momentum_storage(momentum_dtype)
         self._overlaps: list[BackwardOverlap | None] = []
         defaults = dict(
@@ -166,6 +156,7 @@ class Muon(Optimizer):
                     raise ValueError(f"titan_muon.Muon: parameter {self.param_name(gi, pi)!r} has dtype {p.dtype}; floating-point parameters only")
         rank_sets, covering = locate(self.muon_params)
         self.transport = Transport(covering, self.device)  # the step's two agreements
+        self.pipeline = Transport(self.pipeline_group, self.device) if self.pipeline_group is not None else None
         units, shardings = build_units(self.muon_params, self.row_blocks)
         round_bytes = self.exchange_memory_mb * 2**20 / self.rounds_in_flight
         owner_bytes = settings.owner_bytes_per_element(self.comm_dtype, self.ns_dtype)
@@ -224,7 +215,7 @@ class Muon(Optimizer):
         self._align_gradients()
         params = [p for g in self.param_groups for p in g["params"]]
         with phase("check_gradients"):
-            verdict = agree_on_gradients(params, lambda i: self._names[i], self.transport, self._overlaps, self.nonfinite_grads)
+            verdict = agree_on_gradients(params, lambda i: self._names[i], self.transport, self._overlaps, self.nonfinite_grads, self.pipeline)
         if verdict.skip_step:
             self.skipped_steps += 1
             self._set_metrics({"muon/skipped_steps": float(self.skipped_steps)})
@@ -392,7 +383,7 @@ class Muon(Optimizer):
     # ------------------------------------------------------------ checkpoints
 
     _CARRIED = ("exchange_memory_mb", "rounds_in_flight", "ns_dtype_setting", "comm_dtype_setting", "nonfinite_grads",
-                "row_blocks", "overlap", "adamw_implementation", "storage", "skipped_steps", "owner_blocks")  # fmt: skip
+                "row_blocks", "overlap", "adamw_implementation", "storage", "skipped_steps", "owner_blocks", "pipeline_group")  # fmt: skip
 
     def __getstate__(self) -> dict:
         return {**super().__getstate__(), **{key: self.__dict__[key] for key in self._CARRIED}}

@@ -10,6 +10,9 @@ from titan_muon.newton_schulz import NS_ALGORITHMS, NS_METHODS, coefficient_sche
 from titan_muon.update import ADJUST_LR_FNS
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# The keys of a Muon param group (torch's loader adds others, which state_dict() must not grow).
+GROUP_KEYS = ("params", "param_names", "lr", "weight_decay", "momentum", "nesterov", "ns_steps", "adjust_lr_fn",
+              "ns_coefficients", "ns_algorithm", "ns_eps", "betas", "eps", "use_muon", "matrix_stacks")  # fmt: skip
 DTYPE_CHOICES = (*DTYPES, "auto")
 NONFINITE_POLICIES = ("raise", "skip")
 ADAMW_IMPLEMENTATIONS = ("fused", "foreach", "for-loop")  # the names of TorchTitan's optimizer.implementation

@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed
 from torch import Tensor
 
 from titan_muon.transport import Transport
@@ -26,9 +27,10 @@ class Verdict:
 
 
 def agree_on_gradients(params: Sequence[Tensor], name_of: Callable[[int], str], transport: Transport, overlaps: Sequence,
-                       nonfinite_policy: str) -> Verdict:  # fmt: skip
+                       nonfinite_policy: str, pipeline: Transport | None = None) -> Verdict:  # fmt: skip
     """`params`: every parameter of the optimizer, in a fixed order; `overlaps`: per rank set its
-    BackwardOverlap or None."""
+    BackwardOverlap or None; `pipeline`: the other pipeline stages' optimizers, which must raise
+    or skip with this one (a MAX all-reduce of "any non-finite gradient", on the device)."""
     grads = [None if p.grad is None else local_shard(p.grad) for p in params]
     checked = [g for g in grads if g is not None and g.numel() > 0]
     # The L2 norm is NaN/Inf iff an entry is, or iff it overflows (> 1.8e19 in fp32), where the
@@ -54,7 +56,12 @@ def agree_on_gradients(params: Sequence[Tensor], name_of: Callable[[int], str], 
     for o, size in zip(active, sizes):  # derived on the device, so the host still reads once
         compared.append(o.compare(tail[:size]))
         tail = tail[size:]
-    host = torch.cat([status[: 2 * n], *compared]).tolist()
+    elsewhere = []
+    if pipeline is not None:
+        any_here = status[n : 2 * n].amax() if n else torch.zeros((), dtype=torch.float64, device=transport.device)
+        elsewhere = [pipeline.all_reduce(any_here.reshape(1).clone(), torch.distributed.ReduceOp.MAX)]
+    host = torch.cat([status[: 2 * n], *compared, *elsewhere]).tolist()
+    other_stage = bool(host[-1]) if pipeline is not None else False
 
     world = transport.world_size
     missing_counts, nonfinite = host[:n], host[n : 2 * n]
@@ -76,11 +83,12 @@ def agree_on_gradients(params: Sequence[Tensor], name_of: Callable[[int], str], 
             f"titan_muon.Muon: gradients of {names} exist on some ranks but not on others (the first is "
             f"{here} on this rank). Every rank must produce the same set of gradients; nothing was changed."
         )
-    if bad:
+    if bad or other_stage:
         if nonfinite_policy == "skip":
             return Verdict(skip_step=True)
+        where = f"in {bad}" if bad else "in another pipeline stage"
         raise FloatingPointError(
-            f"titan_muon.Muon: non-finite (NaN/Inf) gradients in {bad}; no parameter or state was changed. "
+            f"titan_muon.Muon: non-finite (NaN/Inf) gradients {where}; no parameter or state was changed. "
             'Pass nonfinite_grads="skip" to skip such steps instead.'
         )
     skipped = {id(p) for p, c in zip(params, missing_counts) if c == world}
