@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from titan_muon.commit import adamw_step_device
 from titan_muon.owner_state import blocks_to_shards, shards_to_blocks
 from titan_muon.settings import GROUP_KEYS
 
@@ -84,7 +85,7 @@ def load_state_dict(opt, state_dict: dict, torch_load) -> None:
             if isinstance(loaded, _PassedThrough):
                 opt.state[p] = {key: value.to(p.device if key in tensor_keys else "cpu") for key, value in loaded.value.items()}
             elif loaded and not group["use_muon"]:  # saved under another adamw_implementation perhaps
-                loaded["step"] = loaded["step"].to(dtype=torch.float32, device=opt.adamw_step_device(p))
+                loaded["step"] = loaded["step"].to(dtype=torch.float32, device=adamw_step_device(p, opt.adamw_implementation))
     for entry in opt.muon_params:
         entry.group = opt.param_groups[entry.group_index]
     if opt.owner_momentum:

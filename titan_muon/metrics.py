@@ -6,6 +6,7 @@ import torch
 from torch import Tensor
 
 from titan_muon.timing import StepTimer
+from titan_muon.update import local_shard
 
 
 def step_metrics(work, timer: StepTimer, engines, skipped_steps: int) -> dict[str, float | Tensor]:
@@ -30,3 +31,10 @@ def step_metrics(work, timer: StepTimer, engines, skipped_steps: int) -> dict[st
     if work.update_sq:
         metrics["muon/update_rms"] = (torch.stack(work.update_sq).sum() / work.update_numel).sqrt()
     return metrics
+
+
+def state_bytes(states) -> int:
+    """Bytes of the tensors (not the 0-dim counters) in `states`, dicts of state tensors; a
+    DTensor counts its local block."""
+    tensors = [v for state in states for v in state.values() if isinstance(v, Tensor) and v.ndim > 0]
+    return sum(local_shard(t).numel() * local_shard(t).element_size() for t in tensors)

@@ -30,12 +30,12 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from titan_muon import checkpoint, settings
-from titan_muon.commit import StepWork, adamw_step, adamw_step_device, commit, new_adamw_state, stage_momentum, staged_state
+from titan_muon.commit import StepWork, adamw_step, commit, new_adamw_state, stage_momentum, staged_state
 from titan_muon.exchange import ExchangeEngine, StepFailure, agree_on_success
 from titan_muon.orthogonalizer import Orthogonalizer
 from titan_muon.overlap import BackwardOverlap
 from titan_muon.overlap import metrics as overlap_metrics
-from titan_muon.metrics import step_metrics
+from titan_muon.metrics import state_bytes, step_metrics
 from titan_muon.params import MuonParam, build_units, locate
 from titan_muon.plan import Piece, Unit, build_plan, rank_tables
 from titan_muon.redistribute import Batch, local_piece
@@ -231,7 +231,7 @@ class Muon(Optimizer):
         with phase("adamw"):
             adamw_step(self.param_groups, self.state, self.adamw_implementation)
         timer.stop("step")
-        self._finish_metrics(work, timer, verdict)
+        self._set_metrics({**step_metrics(work, timer, self.engines, self.skipped_steps), **overlap_metrics(verdict.early)})
         return loss
 
     def _align_gradients(self) -> None:
@@ -352,15 +352,7 @@ class Muon(Optimizer):
                 if entry.sharding is not None and id(entry.param) not in verdict.skipped and "step" in self.state[entry.param]:
                     self.state[entry.param]["step"] += 1  # its blocks count their stores the same way
 
-    def adamw_step_device(self, p: Tensor) -> torch.device:
-        return adamw_step_device(p, self.adamw_implementation)
-
     # ---------------------------------------------------------------- metrics
-
-    def _finish_metrics(self, work: StepWork, timer: StepTimer, verdict: Verdict) -> None:
-        metrics = step_metrics(work, timer, self.engines, self.skipped_steps)
-        metrics.update(overlap_metrics(verdict.early))
-        self._set_metrics(metrics)
 
     def _set_metrics(self, metrics: dict[str, float | Tensor]) -> None:
         self._metrics, self._metrics_read = metrics, None
@@ -376,9 +368,7 @@ class Muon(Optimizer):
     def local_state_bytes(self) -> int:
         """Bytes of optimizer state this rank holds: AdamW moments, Muon momentum on its blocks
         or, with momentum on the owners, the whole matrices it owns."""
-        tensors = [v for state in self.state.values() for v in state.values() if isinstance(v, Tensor)]
-        tensors += [v for block in self.owner_blocks.values() for v in block.values()]
-        return sum(local_shard(t).numel() * local_shard(t).element_size() for t in tensors if t.ndim > 0)
+        return state_bytes([*self.state.values(), *self.owner_blocks.values()])
 
     # ------------------------------------------------------------ checkpoints
 
