@@ -58,7 +58,7 @@ def moe_grads(step: int) -> dict[str, torch.Tensor]:
 
 def muon_groups(tensors: dict[str, torch.Tensor]) -> list[dict]:
     return [
-        {"params": [(n, t) for n, t in tensors.items() if n in MUON]},
+        {"params": [(n, t) for n, t in tensors.items() if n in MUON], "matrix_stacks": True},  # experts: one matrix each
         {"params": [(n, t) for n, t in tensors.items() if n not in MUON], "use_muon": False},
     ]
 

@@ -128,7 +128,7 @@ class Muon(Optimizer):
     def add_param_group(self, param_group: dict) -> None:
         given = dict(param_group)
         super().add_param_group(param_group)
-        settings.validate_group(self.param_groups[-1], len(self.param_groups) - 1, given)
+        settings.validate_group(self.param_groups[-1], len(self.param_groups) - 1, given, self.defaults["eps"])
         if self._layout_ready:  # a group added after construction: plan again (collectively)
             self._build_layout()
 

@@ -90,13 +90,14 @@ def check_lr(group: dict, index: int) -> None:
         raise ValueError(f"titan_muon.Muon: param group {index}: lr must be a number or a one-element tensor, got {lr!r}")
 
 
-def validate_group(group: dict, index: int, given: dict | None = None) -> None:
-    """Checks of a param group's settings; `given` is the group as the caller passed it."""
+def validate_group(group: dict, index: int, given: dict | None = None, adamw_eps: float | None = None) -> None:
+    """Checks of a param group's settings; `given` is the group as the caller passed it (torch
+    fills the defaults into that dict, so a group reused for another optimizer carries them)."""
     where = f"titan_muon.Muon: param group {index}"
     check_lr(group, index)
     if not float(group["lr"]) >= 0:
         raise ValueError(f"{where}: lr must be >= 0, got {group['lr']}")
-    if group["use_muon"] and given is not None and "eps" in given:
+    if group["use_muon"] and given is not None and given.get("eps", adamw_eps) != adamw_eps:
         raise ValueError(
             f"{where}: 'eps' is AdamW's epsilon and does nothing in a Muon group; Newton-Schulz's epsilon "
             "(torch.optim.Muon's eps) is 'ns_eps'"

@@ -67,7 +67,7 @@ class MuonOptimizersContainer(OptimizersContainer):
         self.model_parts = model_parts
         pipeline = parallel_dims is not None and parallel_dims.pp_enabled
         # a non-finite gradient in any stage raises or skips in every stage
-        stages = {"pipeline_group": parallel_dims.world_mesh["pp"].get_group()} if pipeline else {}
+        stages = {"pipeline_group": parallel_dims.get_mesh("pp").get_group()} if pipeline else {}
         self.optimizers = [self._build(model, config, {**kwargs, **stages}, pipeline) for model in model_parts]
         self._validate_length(len(model_parts))
         params = [p for model in model_parts for p in model.parameters() if p.requires_grad]
