@@ -35,7 +35,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 from titan_muon import Muon
 from titan_muon.newton_schulz import orthogonalize
 from titan_muon.newton_schulz import newton_schulz_flops, resolve_algorithm
-from titan_muon.plan import ns_cost, shard_rows
+from titan_muon.plan import shard_rows
 from titan_muon.update import apply_updates_, nesterov_input, update_momentum_, update_scale
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -159,7 +159,8 @@ def _rank_main(rank, world, args):
             resolved = resolve_algorithm(unit.rows, unit.cols, dtype, "cpu") if algorithm == "auto" else algorithm
             return newton_schulz_flops(unit.rows, unit.cols, 5, resolved)
 
-        loads = [ns_cost(opt.plan, r, flops) for r in range(world)]
+        plan = opt.engines[0].plan
+        loads = [sum(flops(u) for u, o in zip(plan.units, plan.owners) if o == r) for r in range(world)]
         results[label] = dict(
             times=times, bytes_sent=m["muon/bytes_sent"], ns_gflops=m["muon/ns_flops"] / max(m["muon/ns_time_ms"], 1e-9) / 1e6,
             balance=max(loads) / (sum(loads) / world), local_bytes=sum(p.to_local().numel() * 4 for p in module.parameters() if p.ndim == 2),

@@ -9,7 +9,7 @@ hand. From one seed checkpoint (1 rank) it trains train_configs/llama3_gqa_muon.
   * pp_fsdp:       4 ranks, PP 2 x FSDP 2 (each stage's Muon exchanges over its 2 FSDP ranks);
   * pp_fsdp_overlap: the same with --optimizer.overlap (gradients sent during backward).
 It prints, per run and step, the loss and grad norm, their largest relative difference from
-the reference, and the Muon traffic (bytes sent in the step, buckets sent during backward),
+the reference, and the Muon traffic (bytes sent in the step, rounds sent during backward),
 then exits 1 if a difference exceeds --rel (the bound of tests/test_pipeline_parallel.py).
 """
 
@@ -65,7 +65,7 @@ def main() -> None:
 
     print(f"Command: python scripts/check_pipeline_fsdp.py {' '.join(sys.argv[1:])}".strip())
     print()
-    print("| run | ranks | step | loss | grad norm | Muon bytes sent | buckets sent in backward |")
+    print("| run | ranks | step | loss | grad norm | Muon bytes sent | rounds sent in backward |")
     print("|---|---|---|---|---|---|---|")
     for name, (nproc, _) in RUNS.items():
         values = scalars[name]

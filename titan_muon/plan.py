@@ -377,7 +377,3 @@ def elements_sent(schedules: Sequence[RoundTables], rank: int) -> int:
     return sum(
         s.send_numel - s.send_counts[rank] + s.recv_numel - s.recv_counts[rank] for s in schedules
     )
-
-
-def ns_cost(plan: Plan, rank: int, cost: Callable[[Unit], int]) -> int:
-    return sum(cost(u) for u, owner in zip(plan.units, plan.owners) if owner == rank)
