@@ -174,6 +174,14 @@ def test_other_configs_train(workdir, config, flavor, extra):
     assert sorted(read_losses(str(dump))) == [1, 2, 3]
     if extra:
         assert sorted(read_scalars(str(dump), "validation_metrics/loss")) == [1, 3]  # step 1, then every 3
+    muon_metrics = read_scalars(str(dump), "muon/rounds")
+    if "adamw" in config:  # the baseline really runs torchtitan's AdamW: no Muon step was logged
+        assert muon_metrics == {}
+    else:  # mla_muon.toml: split, overlap, fp8 momentum and MuonClip are what it exists for
+        assert all(v > 0 for v in read_scalars(str(dump), "muon/rounds_sent_in_backward").values())  # overlap
+        per_element = read_scalars(str(dump), "muon/momentum_bytes_per_element")
+        assert per_element and all(1.0 <= v <= 1.01 for v in per_element.values())  # fp8: codes + exponents
+        assert read_scalars(str(dump), "qk_clip/max_logit")  # MuonClip recorded the logits
 
 
 def test_mla_with_split_overlap_and_fp8_resumes_exactly(workdir):

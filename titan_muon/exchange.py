@@ -90,7 +90,7 @@ def agree_on_success(transport: Transport, failure: StepFailure) -> None:
 
 
 Fill = Callable[[Piece, Tensor], None]  # writes one outbound piece into its slot of the send buffer
-Orthogonalize = Callable[[int, list[Batch]], dict[int, Tensor]]  # round, owned batches -> result per unit
+Orthogonalize = Callable[[int, list[Batch]], dict[int, Tensor]]  # round, owned batches -> result per unit (counted by it)
 Receive = Callable[[int, Piece, Tensor], None]  # round, outbound piece, its update (a view of the return buffer)
 
 
@@ -174,8 +174,8 @@ class ExchangeEngine:
         """
         arrived = dict(arrived or {})
         self.bytes_to_owners = 0
-        for exchange in arrived.values():
-            memory.add(exchange.received.numel())
+        for exchange in arrived.values():  # both buffers stay alive until the round is waited for
+            memory.add(exchange.nbytes)
         rounds = len(self.tables)
         outbound: dict[int, Exchange] = {}
         launched = 0
@@ -205,10 +205,10 @@ class ExchangeEngine:
                         batches = assemble(tables, received, self.units, key_of)
                     batch_bytes = sum(b.matrices.numel() * b.matrices.element_size() for b in batches)
                     memory.add(batch_bytes)
-                    results = orthogonalize(r, batches)
+                    results = orthogonalize(r, batches)  # counts its results in `memory`
                     with phase("disassemble"):
                         back = disassemble(tables, results, return_dtype, self.device)
-                    memory.free(batch_bytes)
+                    memory.free(batch_bytes + sum(t.numel() * t.element_size() for t in results.values()))
                 except Exception as error:  # noqa: BLE001 - settled on every rank in agree_on_success
                     failure.record(error, f"Newton-Schulz of round {r}")
             memory.free(exchange.received.numel())

@@ -38,3 +38,11 @@ def state_bytes(states) -> int:
     DTensor counts its local block."""
     tensors = [v for state in states for v in state.values() if isinstance(v, Tensor) and v.ndim > 0]
     return sum(local_shard(t).numel() * local_shard(t).element_size() for t in tensors)
+
+
+def momentum_bytes_per_element(states, primary_key: str) -> float:
+    """Bytes of Muon momentum this rank holds per momentum element (`primary_key`'s elements):
+    4 for fp32, 2 for bf16, ~1.004 for fp8 (codes plus one exponent per 256 columns)."""
+    held = [state for state in states if primary_key in state and state[primary_key].ndim > 0]
+    elements = sum(local_shard(state[primary_key]).numel() for state in held)
+    return state_bytes(held) / elements if elements else 0.0

@@ -31,11 +31,11 @@ from torch.optim import Optimizer
 
 from titan_muon import checkpoint, settings
 from titan_muon.commit import StepWork, adamw_step, commit, new_adamw_state, stage_momentum, staged_state
-from titan_muon.exchange import ExchangeEngine, StepFailure, agree_on_success
-from titan_muon.orthogonalizer import Orthogonalizer
+from titan_muon.exchange import ExchangeEngine, MemoryAccount, StepFailure, agree_on_success
+from titan_muon.orthogonalizer import NS_WORKSPACE, Orthogonalizer
 from titan_muon.overlap import BackwardOverlap
 from titan_muon.overlap import metrics as overlap_metrics
-from titan_muon.metrics import state_bytes, step_metrics
+from titan_muon.metrics import momentum_bytes_per_element, state_bytes, step_metrics
 from titan_muon.params import MuonParam, build_units, locate
 from titan_muon.plan import Piece, Unit, build_plan, rank_tables
 from titan_muon.redistribute import Batch, local_piece
@@ -43,7 +43,7 @@ from titan_muon.split import RowBlocks
 from titan_muon.state import momentum_storage
 from titan_muon.timing import StepTimer, phase
 from titan_muon.transport import Transport, outbound_lane_group
-from titan_muon.update import local_shard, nesterov_input, nesterov_input_and_momentum
+from titan_muon.update import nesterov_input, nesterov_input_and_momentum
 from titan_muon.verdict import Verdict, agree_on_gradients
 
 
@@ -231,7 +231,10 @@ class Muon(Optimizer):
         with phase("adamw"):
             adamw_step(self.param_groups, self.state, self.adamw_implementation)
         timer.stop("step")
-        self._set_metrics({**step_metrics(work, timer, self.engines, self.skipped_steps), **overlap_metrics(verdict.early)})
+        momentum = [self.state[e.param] for e in self.muon_params] + list(self.owner_blocks.values())
+        per_element = momentum_bytes_per_element(momentum, self.storage.tensor_keys[0])
+        self._set_metrics({**step_metrics(work, timer, self.engines, self.skipped_steps), **overlap_metrics(verdict.early),
+                           "muon/momentum_bytes_per_element": per_element})  # fmt: skip
         return loss
 
     def _align_gradients(self) -> None:
@@ -254,7 +257,7 @@ class Muon(Optimizer):
             scales = early.scales if early is not None else {}
 
             def fill(piece: Piece, slot: Tensor, engine=engine) -> None:
-                self._matrix_to_send(self.muon_params[engine.units[piece.unit].param], piece, verdict, momenta, out=slot)
+                self._matrix_to_send(self.muon_params[engine.units[piece.unit].param], piece, verdict, momenta, slot, work.memory)
 
             def receive(r: int, piece: Piece, update: Tensor, engine=engine) -> None:
                 entry = self.muon_params[engine.units[piece.unit].param]
@@ -269,7 +272,8 @@ class Muon(Optimizer):
                 arrived=early.arrived if early is not None else None,
             )  # fmt: skip
 
-    def _matrix_to_send(self, entry: MuonParam, piece: Piece, verdict: Verdict, momenta: dict[int, Tensor], out: Tensor) -> None:
+    def _matrix_to_send(self, entry: MuonParam, piece: Piece, verdict: Verdict, momenta: dict[int, Tensor], out: Tensor,
+                        memory: MemoryAccount) -> None:  # fmt: skip
         """A piece as it travels: the Nesterov input g + μ(M' − g) from this rank's momentum, or
         the raw gradient when momentum lives on the owners; zeros for a parameter without gradients."""
         p = entry.param
@@ -280,6 +284,8 @@ class Muon(Optimizer):
         else:
             if entry.index not in momenta:
                 momenta[entry.index] = entry.stack(self.storage.load(self.state[p]))
+                if self.storage.name != "fp32":  # a decoded copy, held for the rest of the exchange
+                    memory.add(momenta[entry.index].numel() * 4)
             grad = local_piece(entry.stack(p.grad), piece).float()
             momentum = local_piece(momenta[entry.index], piece)
             if out.dtype == torch.float32:
@@ -295,10 +301,11 @@ class Muon(Optimizer):
             if self._owners_hold(self.engines[s]):
                 with phase("owner_momentum"):
                     matrices = self._owner_nesterov(s, batch.units, matrices, scales.get(r, {}), verdict, work)
-            workspace = 4 * matrices.numel() * matrices.element_size()  # input, Gram, polynomial, result
+            workspace = int(NS_WORKSPACE[self.ns_dtype] * matrices.numel() * 4)
             work.memory.add(workspace)
             out = self.newton_schulz(batch.key, matrices, timer, work)
             work.memory.free(workspace)
+            work.memory.add(out.numel() * out.element_size())  # until the return buffer is packed (engine frees it)
             results.update(zip(batch.units, out.unbind(0)))
         return results
 

@@ -12,6 +12,13 @@ from titan_muon.timing import StepTimer, phase
 from titan_muon.update import update_scale
 
 
+# Peak bytes orthogonalize() allocates (copies in the NS dtype, Gram products, polynomial, the
+# fp32 result) per byte of its fp32 input, measured with a storage-lifetime mode on CPU
+# (tests/test_meta_device.py::test_peak_transient_bytes_bound_what_is_really_alive): at most
+# 5.6 in fp32 (Gram NS on a near-square batch) and 3.3 in bf16.
+NS_WORKSPACE = {torch.float32: 6.0, torch.bfloat16: 3.5}
+
+
 class Orthogonalizer:
     """Runs batches of equal-shape matrices of one param group (``key = ((rows, cols), group
     index)``) through Newton–Schulz in ``ns_dtype`` and scales them by their shape's factor."""

@@ -1,0 +1,37 @@
+"""Bytes of tensor storage allocated inside a block and still alive, measured independently of
+the optimizer's own account: every op that returns a new tensor (not a view, not in place)
+registers its storage, and a finalizer on the storage's Python object (which torch keeps as
+long as the storage lives) subtracts it when the memory is released."""
+
+import traceback
+import weakref
+
+import torch
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+class LiveBytes(TorchDispatchMode):
+    """Live bytes of the storages created inside the mode, and their peak (CPU tensors)."""
+    def __init__(self, only_from: str | None = None):
+        """`only_from`: count only storages allocated while code from files under this path runs."""
+        super().__init__(); self.live = 0; self.peak = 0; self._seen = set(); self.only_from = only_from
+    def _freed(self, key, n):
+        self.live -= n; self._seen.discard(key)
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        schema = func._schema
+        if any(r.alias_info is not None for r in schema.returns):  # views and in-place ops allocate nothing
+            return out
+        if self.only_from is not None and not any(self.only_from in f.filename for f in traceback.extract_stack()):
+            return out
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+                s = t.untyped_storage()
+                try:
+                    key = s.data_ptr()
+                except RuntimeError:  # a storage FSDP2 has resized away (unsharded parameters)
+                    continue
+                if key and key not in self._seen and s.nbytes():
+                    self._seen.add(key); n = s.nbytes(); self.live += n; self.peak = max(self.peak, self.live)
+                    weakref.finalize(s, self._freed, key, n)
+        return out

@@ -1,0 +1,61 @@
+"""muon/peak_transient_bytes against what is really alive (tests/live_bytes.py): the optimizer's
+account must bound the storages the step allocates, backward's early sends included, and
+overestimate them only through its model of Newton–Schulz's workspace."""
+
+from pathlib import Path
+
+from torch import nn
+
+from common import grads_for, make_params
+from distributed import run_distributed
+from live_bytes import LiveBytes
+from test_optimizer_distributed import _batches, _loss, fsdp_model
+from titan_muon import Muon, build_param_groups
+from titan_muon.orthogonalizer import NS_WORKSPACE
+
+SHAPES = {"a": (300, 640), "b": (630, 640), "c": (640, 300), "d": (30, 64)}
+
+
+def _model_slack(opt) -> float:
+    """What the account may overestimate: it charges NS_WORKSPACE x a batch's fp32 bytes where
+    orthogonalize() really allocates at least 2x them (its input copy and result): charged
+    for the largest round an owner orthogonalizes."""
+    owned = max(sum(e.units[u].numel for u in t.owned) for e in opt.engines for t in e.tables)
+    return (NS_WORKSPACE[opt.ns_dtype] - 2) * 4 * owned
+
+
+def test_peak_transient_bytes_bound_what_is_really_alive():
+    for momentum_dtype in ("fp32", "fp8"):
+        for memory in (None, 0.5):  # one round, then four
+            params = make_params(shapes=SHAPES)
+            tensors = {n: nn.Parameter(p) for n, p in params.items()}
+            opt = Muon(list(tensors.values()), lr=0.01, momentum_dtype=momentum_dtype, exchange_memory_mb=memory)
+            for s in range(2):  # the second step, with state in place
+                for n, g in grads_for(s, params).items():
+                    tensors[n].grad = g
+                with LiveBytes() as live:
+                    opt.step()
+            account = opt.last_step_metrics["muon/peak_transient_bytes"]
+            assert live.peak <= account <= live.peak + _model_slack(opt), (momentum_dtype, memory, live.peak, account)
+
+
+def _overlapped(rank, world):
+    import titan_muon
+
+    package = str(Path(titan_muon.__file__).parent)
+    model = fsdp_model(world)
+    opt = Muon(build_param_groups(model, adamw_lr=3e-3), lr=0.02, overlap=True, exchange_memory_mb=0.002)
+    for s in range(2):
+        # backward's sends to the owners stay alive into the step; what backward allocates
+        # itself (activation gradients, FSDP's buffers) is not the optimizer's: only storages
+        # allocated while titan_muon's code runs are counted
+        with LiveBytes(only_from=package) as live:
+            _loss(model, _batches(s).chunk(world)[rank]).backward()
+            opt.step()
+        opt.zero_grad()
+    return {"account": opt.last_step_metrics["muon/peak_transient_bytes"], "slack": _model_slack(opt), "live": live.peak}
+
+
+def test_peak_transient_bytes_with_overlap_count_the_buffers_sent_in_backward():
+    for result in run_distributed(_overlapped, 2):
+        assert result["live"] <= result["account"] <= result["live"] + result["slack"], result
