@@ -180,7 +180,10 @@ def test_other_configs_train(workdir, config, flavor, extra):
     else:  # mla_muon.toml: split, overlap, fp8 momentum and MuonClip are what it exists for
         assert all(v > 0 for v in read_scalars(str(dump), "muon/rounds_sent_in_backward").values())  # overlap
         per_element = read_scalars(str(dump), "muon/momentum_bytes_per_element")
-        assert per_element and all(1.0 <= v <= 1.01 for v in per_element.values())  # fp8: codes + exponents
+        # fp8: one code byte per element plus one exponent byte per row and 256-column block, so
+        # 1 + 1/cols for matrices narrower than 256 columns (this tiny model's are >= 32 wide);
+        # bf16 would be 2 and fp32 4
+        assert per_element and all(1.0 < v <= 1 + 1 / 32 for v in per_element.values()), per_element
         assert read_scalars(str(dump), "qk_clip/max_logit")  # MuonClip recorded the logits
 
 
