@@ -139,20 +139,18 @@ def test_host_syncs_do_not_grow_with_the_model(case):
 
 @pytest.mark.parametrize("case", list(OPS_CASES))
 def test_launches_per_matrix_do_not_grow_with_the_model(case):
-    """aten ops (a stand-in for kernel launches) per added Muon matrix, at the shipped defaults
-    (and the common variants), on 8 ranks with Llama-3-8B shapes: from 1 to 3 layers and from 3
-    to 6. Rounds batch equal matrices into one Newton-Schulz call per owner, so adding layers
-    adds matrices to existing calls: the marginal count must not rise with the model (a loop
-    per row block, per 256 columns or per round would make it). Measured on 2026-11-24:
+    """aten ops (a stand-in for kernel launches) per Muon matrix and step, at the shipped
+    defaults (and the common variants), on 8 ranks with Llama-3-8B shapes, for 2, 6 and 12
+    layers. Rounds batch equal matrices into one Newton-Schulz call per owner and the step's
+    fixed work is spread over more matrices, so the count must not rise with the model (a loop
+    per row block or per 256 columns, or a per-matrix cost in the fixed work, would make it). Measured on 2026-11-24:
     docs/performance.md, "Launches per matrix"."""
-    counts = {}
-    for layers in (1, 3, 6):
+    per_matrix = {}
+    for layers in (2, 6, 12):
         results, matrices, _ = _run(layers, **OPS_CASES[case])
-        counts[layers] = (results[0][3], matrices)
-    first = (counts[3][0] - counts[1][0]) / (counts[3][1] - counts[1][1])
-    second = (counts[6][0] - counts[3][0]) / (counts[6][1] - counts[3][1])
-    print(f"{case}: {first:.1f} then {second:.1f} aten ops per added Muon matrix")
-    assert second <= first, (case, first, second)
+        per_matrix[layers] = results[0][3] / matrices
+    print(f"{case}: " + ", ".join(f"{v:.1f} at {k} layers" for k, v in per_matrix.items()) + " (aten ops per Muon matrix)")
+    assert max(per_matrix[6], per_matrix[12]) <= per_matrix[2], (case, per_matrix)  # rounds are discrete: not monotone
 
 
 def test_transient_memory_is_bounded_by_the_window():

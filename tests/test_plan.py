@@ -106,6 +106,14 @@ def test_equal_units_give_every_owner_the_same_share_of_a_round():
         assert sorted(owners[u] for u in members) == sorted(list(range(world)) * 2)
 
 
+def test_with_overlap_a_model_that_fits_one_round_still_gets_several():
+    """min_rounds (overlap: 8) caps a round at 1/8 of the work, so rounds leave during backward."""
+    n = 64
+    rounds, _ = build_rounds([5.0] * n, [100] * n, 4, owner_bytes=lambda u: 100.0, round_bytes=1e9, min_rounds=8)
+    assert len(rounds) == 8 and all(len(r) == 8 for r in rounds)
+    assert len(build_rounds([5.0] * n, [100] * n, 4, owner_bytes=lambda u: 100.0, round_bytes=1e9)[0]) == 1
+
+
 def test_a_unit_held_by_one_rank_stays_with_it():
     """Experts whole on their expert-parallel rank are owned there: nothing travels for them."""
     world = 4

@@ -37,7 +37,7 @@ from titan_muon.overlap import BackwardOverlap
 from titan_muon.overlap import metrics as overlap_metrics
 from titan_muon.metrics import momentum_bytes_per_element, state_bytes, step_metrics
 from titan_muon.params import MuonParam, build_units, locate
-from titan_muon.plan import Piece, Unit, build_plan, rank_tables
+from titan_muon.plan import OVERLAP_MIN_ROUNDS, Piece, Unit, build_plan, rank_tables
 from titan_muon.redistribute import Batch, local_piece
 from titan_muon.split import RowBlocks
 from titan_muon.state import momentum_storage
@@ -166,7 +166,8 @@ class Muon(Optimizer):
         self.engines: list[ExchangeEngine] = []
         for index, rank_set in enumerate(rank_sets):
             back = Transport(rank_set.group, self.device)
-            plan = build_plan(units[index], shardings, back.world_size, round_bytes, self._unit_flops, owner_bytes)
+            plan = build_plan(units[index], shardings, back.world_size, round_bytes, self._unit_flops, owner_bytes,
+                              min_rounds=OVERLAP_MIN_ROUNDS if self.overlap else 1)
             back.check_same_everywhere(plan.fingerprint(), "the Muon ownership plan")
             tables = rank_tables(plan, shardings, back.rank)
             outbound = Transport(outbound_lane_group(rank_set.group), self.device)

@@ -99,6 +99,10 @@ class Plan:
 # A round's level may exceed the even share of the remaining work by this much, so that whole
 # units fill the last round instead of spilling a sliver into one more.
 LEVEL_SLACK = 1.02
+# With overlap a round takes at most 1/OVERLAP_MIN_ROUNDS of the whole step's work (unless one
+# unit is more), so even a model whose matrices all fit one round's memory gets rounds that leave
+# during backward. Without overlap fewer, larger rounds batch more matrices per Newton–Schulz call.
+OVERLAP_MIN_ROUNDS = 8
 
 
 def build_rounds(
@@ -109,6 +113,7 @@ def build_rounds(
     owner_bytes: Callable[[int], float],
     round_bytes: float,
     local_pieces: Sequence[dict[int, int]] | None = None,
+    min_rounds: int = 1,
 ) -> tuple[list[list[int]], list[int]]:
     """Owner-balanced rounds: ``(rounds, owners)``, rounds as lists of unit indices.
 
@@ -133,6 +138,7 @@ def build_rounds(
     for u in range(len(costs)):
         grouped[(costs[u], numels[u])].append(u)
     classes = [_Class(cost, owner_bytes(members[0]), members) for (cost, _), members in sorted(grouped.items(), key=lambda kv: (-kv[0][0], -kv[0][1]))]
+    round_share = sum(costs) / (world_size * min_rounds)
     rounds: list[list[int]] = []
     while True:
         classes = [c for c in classes if c.left]
@@ -141,7 +147,7 @@ def build_rounds(
         top = classes[0]
         by_memory = top.cost * max(1, int(round_bytes // max(top.bytes, 1.0)))
         even_share = sum(c.cost * c.left for c in classes) / world_size
-        level = max(top.cost, min(by_memory, LEVEL_SLACK * even_share))
+        level = max(top.cost, min(by_memory, LEVEL_SLACK * even_share, round_share))
         loads, memory = [0.0] * world_size, [0.0] * world_size
         taken: list[int] = []
         for c in classes:
@@ -222,6 +228,7 @@ def build_plan(
     cost: Callable[[Unit], float] | None = None,
     owner_bytes_per_element: float = 20.0,
     max_holders: int = 8,
+    min_rounds: int = 1,
 ) -> Plan:
     """Owners and rounds for `units` (given in backward order).
 
@@ -241,7 +248,7 @@ def build_plan(
         local_pieces.append({} if len(holders) > max_holders else {r: box_numel(piece) for r, piece in holders})
     rounds, owners = build_rounds(
         costs, numels, world_size, owner_bytes=lambda u: numels[u] * owner_bytes_per_element,
-        round_bytes=round_bytes, local_pieces=local_pieces,
+        round_bytes=round_bytes, local_pieces=local_pieces, min_rounds=min_rounds,
     )  # fmt: skip
     return Plan(world_size, tuple(units), tuple(owners), tuple(tuple(r) for r in rounds))
 
