@@ -29,8 +29,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from titan_muon.layout import Sharding, box_numel
-from titan_muon.plan import BucketSchedule, Plan, Unit, assign_owners, build_plan, make_buckets, rank_schedule
-from titan_muon.redistribute import assemble, disassemble, local_views, pack, unpack
+from titan_muon.plan import Plan, RoundTables, Unit, build_plan, rank_tables
+from titan_muon.redistribute import assemble, disassemble, local_piece, outbound_slots
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -141,7 +141,7 @@ class Hardware:
 
 
 def peak_transient_bytes(
-    schedules: Sequence[BucketSchedule], units: Sequence[Unit], window: int, wire: int, ns: int, overlap: bool
+    schedules: Sequence[RoundTables], units: Sequence[Unit], window: int, wire: int, ns: int, overlap: bool
 ) -> int:
     """Upper bound of the step's transient memory on one rank, from its tables (optimizer.py).
 
@@ -189,7 +189,29 @@ def peak_transient_bytes(
 # ------------------------------------------------------------------ host time per step
 
 
-def walk_tables(schedules: Sequence[BucketSchedule], units: Sequence[Unit]) -> int:
+def _lpt_owners(costs: Sequence[int], world: int) -> list[int]:
+    """DistMuon-like owners: longest processing time first, to the least loaded rank."""
+    loads, owners = [0] * world, [0] * len(costs)
+    for u in sorted(range(len(costs)), key=lambda u: (-costs[u], u)):
+        owners[u] = min(range(world), key=lambda r: (loads[r], r))
+        loads[owners[u]] += costs[u]
+    return owners
+
+
+def _size_buckets(sizes: Sequence[int], bucket_bytes: int) -> list[list[int]]:
+    """DistMuon-like buckets: consecutive units up to `bucket_bytes` (a larger unit alone)."""
+    buckets: list[list[int]] = []
+    filled = 0
+    for u, size in enumerate(sizes):
+        if not buckets or filled + size > bucket_bytes:
+            buckets.append([])
+            filled = 0
+        buckets[-1].append(u)
+        filled += size
+    return buckets
+
+
+def walk_tables(schedules: Sequence[RoundTables], units: Sequence[Unit]) -> int:
     """Read every table entry step() reads: outbound pieces when packing and unpacking,
     inbound pieces when assembling and disassembling, the owned units, the split sizes."""
     touched = 0
@@ -202,7 +224,7 @@ def walk_tables(schedules: Sequence[BucketSchedule], units: Sequence[Unit]) -> i
     return touched
 
 
-def split_lists(schedules: Sequence[BucketSchedule], rank: int, itemsize: int, cache: dict | None = None) -> int:
+def split_lists(schedules: Sequence[RoundTables], rank: int, itemsize: int, cache: dict | None = None) -> int:
     """What transport.all_to_all does per call for its byte split lists: a lookup in a cache
     keyed by the schedule's count tuple (hashing W ints, in C); the lists are built once."""
     cache = {} if cache is None else cache
@@ -216,18 +238,20 @@ def split_lists(schedules: Sequence[BucketSchedule], rank: int, itemsize: int, c
     return total
 
 
-def redistribute_on_meta(schedules: Sequence[BucketSchedule], units: Sequence[Unit], stacks: dict[int, torch.Tensor]) -> None:
+def redistribute_on_meta(schedules: Sequence[RoundTables], units: Sequence[Unit], stacks: dict[int, torch.Tensor]) -> None:
     """step()'s calls into redistribute.py for one rank, on meta tensors (shapes only): every
     view, cat and cast the host dispatches, without data."""
     key_of = lambda u: units[u].shape  # noqa: E731 - one group of settings
     for schedule in schedules:
-        send = pack(local_views(schedule.outbound, lambda p: stacks[units[p.unit].param]), torch.bfloat16, "meta")
+        send = torch.empty(schedule.send_numel, dtype=torch.bfloat16, device="meta")
+        for piece, slot in outbound_slots(schedule, send):
+            slot.copy_(local_piece(stacks[units[piece.unit].param], piece))
         received = torch.empty(sum(p.numel for p in schedule.inbound), dtype=send.dtype, device="meta")
         results = {}
         for batch in assemble(schedule, received, units, key_of, torch.bfloat16):
             results.update(zip(batch.units, batch.matrices.unbind(0)))
         back = disassemble(schedule, results, torch.bfloat16, "meta")
-        unpack(schedule, torch.empty(send.numel(), dtype=back.dtype, device="meta"))
+        list(outbound_slots(schedule, torch.empty(send.numel(), dtype=back.dtype, device="meta")))
 
 
 class OpCounter(TorchDispatchMode):
@@ -312,8 +336,8 @@ def plan_for(
     if scheme == "DistMuon-like":
         # torchtitan's DistMuon: greedy LPT on ns·s²·(2l+s) (proportional to NS FLOPs), owners
         # chosen on load alone, one packed all_to_all out and one back per bucket.
-        owners = assign_owners([ns_flops(u) for u in units], group)
-        buckets = make_buckets([4 * u.numel for u in units], bucket_bytes)
+        owners = _lpt_owners([ns_flops(u) for u in units], group)
+        buckets = _size_buckets([4 * u.numel for u in units], bucket_bytes)
         plan = Plan(group, tuple(units), tuple(owners), tuple(tuple(b) for b in buckets))
     else:
         plan = build_plan(units, shardings, group, bucket_bytes)
@@ -359,8 +383,8 @@ def simulate(
     loads = np.zeros(group, dtype=np.int64)
     np.add.at(loads, np.array(plan.owners), np.array(costs, dtype=np.int64))
     moved = traffic(plan.units, plan.owners, shardings, group, placed.holders)
-    row = Row(**common, buckets=len(plan.buckets), ns=loads, per_step=moved.per_step, trip_s=hardware.trip_seconds(moved, 2),
-              collectives=2 * len(plan.buckets) + (2 if scheme == "titan_muon" else 0),
+    row = Row(**common, buckets=len(plan.rounds), ns=loads, per_step=moved.per_step, trip_s=hardware.trip_seconds(moved, 2),
+              collectives=2 * len(plan.rounds) + (2 if scheme == "titan_muon" else 0),
               overlap_possible=scheme == "titan_muon", plan_s=plan_s)  # fmt: skip
     row.sent_total, row.received_total = int(moved.sent.sum()), int(moved.received.sum())
     row.owners = len(set(plan.owners))
@@ -371,7 +395,7 @@ def simulate(
     busiest = int(loads.argmax())
     measured = sorted({0, busiest})  # rank 0 holds the largest shard (torch.chunk), `busiest` the most NS work
     start = time.process_time()
-    schedules = {r: rank_schedule(plan, shardings, r) for r in measured}
+    schedules = {r: rank_tables(plan, shardings, r) for r in measured}
     row.schedule_s = (time.process_time() - start) / len(measured)
     if check:
         _check_against_schedules(plan, shardings, schedules, moved)
@@ -384,7 +408,7 @@ def simulate(
     return row
 
 
-def _split_lists_seconds(schedules: Sequence[BucketSchedule], rank: int, sample: int = 200) -> float:
+def _split_lists_seconds(schedules: Sequence[RoundTables], rank: int, sample: int = 200) -> float:
     """Per-step cost with a warm cache (the first step builds it), timed on up to `sample`
     buckets and scaled to all."""
     part, cache = schedules[:sample], {}
@@ -392,7 +416,7 @@ def _split_lists_seconds(schedules: Sequence[BucketSchedule], rank: int, sample:
     return seconds(split_lists, part, rank, 2, cache, repeat=2) * len(schedules) / max(1, len(part))
 
 
-def aten_ops(schedules: Sequence[BucketSchedule], units: Sequence[Unit], shardings: Sequence[Sharding], rank: int) -> int:
+def aten_ops(schedules: Sequence[RoundTables], units: Sequence[Unit], shardings: Sequence[Sharding], rank: int) -> int:
     """aten ops of step()'s redistribute calls for one rank. Their control flow depends only on
     the shapes of a bucket's pieces and owned matrices, so buckets alike in those (one MoE
     expert each, or none of this rank's) are counted once per kind."""
@@ -400,7 +424,7 @@ def aten_ops(schedules: Sequence[BucketSchedule], units: Sequence[Unit], shardin
     for index, sharding in enumerate(shardings):
         box = sharding.box(rank)
         stacks[index] = torch.empty(*(hi - lo for lo, hi in box), dtype=torch.float32, device="meta")
-    kinds: dict[tuple, list[BucketSchedule]] = {}
+    kinds: dict[tuple, list[RoundTables]] = {}
     for s in schedules:
         kind = (
             tuple(p.shape for p in s.outbound),
@@ -416,7 +440,7 @@ def aten_ops(schedules: Sequence[BucketSchedule], units: Sequence[Unit], shardin
     return total
 
 
-def _check_against_schedules(plan: Plan, shardings, schedules: dict[int, tuple[BucketSchedule, ...]], moved: Traffic) -> None:
+def _check_against_schedules(plan: Plan, shardings, schedules: dict[int, tuple[RoundTables, ...]], moved: Traffic) -> None:
     """The holder-based traffic equals what the measured ranks' tables send and receive."""
     for r, tables in schedules.items():
         sent = sum(s.send_numel - s.send_counts[r] for s in tables)

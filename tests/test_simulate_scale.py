@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from titan_muon.plan import build_plan, rank_schedule
+from titan_muon.plan import build_plan, rank_tables
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "simulate_scale.py"
 
@@ -100,15 +100,15 @@ def test_traffic_equals_every_ranks_schedule(sim, world, layout, split):
     group = layout.group_size(world)
     shardings = layout.shardings(model, world)
     units = sim.units_of(model, split)
-    plan = build_plan(units, shardings, group, bucket_bytes=1024)
+    plan = build_plan(units, shardings, group, round_bytes=1024)
     moved = sim.traffic(plan.units, plan.owners, shardings, group)
-    schedules = [rank_schedule(plan, shardings, r) for r in range(group)]
+    schedules = [rank_tables(plan, shardings, r) for r in range(group)]
     for r, tables in enumerate(schedules):
         sent_near = sum(c for s in tables for peer, c in enumerate(s.send_counts) if peer != r and peer // 8 == r // 8)
         sent_far = sum(c for s in tables for peer, c in enumerate(s.send_counts) if peer // 8 != r // 8)
         received = sum(s.recv_numel - s.recv_counts[r] for s in tables)
         assert (moved.sent_near[r], moved.sent_far[r], moved.received[r]) == (sent_near, sent_far, received)
-    for b in range(len(plan.buckets)):  # per bucket, what r sends to o is what o expects from r
+    for b in range(len(plan.rounds)):  # per bucket, what r sends to o is what o expects from r
         for r, o in itertools.product(range(group), repeat=2):
             assert schedules[r][b].send_counts[o] == schedules[o][b].recv_counts[r]
     assert moved.sent.sum() == moved.received.sum()
@@ -116,11 +116,11 @@ def test_traffic_equals_every_ranks_schedule(sim, world, layout, split):
 
 def test_peak_memory_grows_with_the_window(sim):
     model = _tiny_model(sim)
-    shardings = sim.Layout().shardings(model, 4)
-    plan = build_plan(sim.units_of(model), shardings, 4, bucket_bytes=512)
-    assert len(plan.buckets) > 3
-    for r in range(4):
-        tables = rank_schedule(plan, shardings, r)
+    shardings = sim.Layout().shardings(model, 2)
+    plan = build_plan(sim.units_of(model), shardings, 2, round_bytes=512)  # 2 owners: one matrix each a round
+    assert len(plan.rounds) > 3
+    for r in range(2):
+        tables = rank_tables(plan, shardings, r)
         peaks = [sim.peak_transient_bytes(tables, plan.units, w, 2, 2, False) for w in (1, 2, len(tables))]
         assert peaks == sorted(peaks)
         shard = sum(s.send_numel for s in tables)
@@ -150,9 +150,9 @@ def test_aten_ops_counted_per_kind_of_bucket_equal_a_full_count(sim, world, layo
     layout = sim.Layout(**layout)
     group = layout.group_size(world)
     shardings = layout.shardings(model, world)
-    plan = build_plan(sim.units_of(model, split), shardings, group, bucket_bytes=1024)
+    plan = build_plan(sim.units_of(model, split), shardings, group, round_bytes=1024)
     for r in range(group):
-        tables = rank_schedule(plan, shardings, r)
+        tables = rank_tables(plan, shardings, r)
         stacks = {i: torch.empty(*(hi - lo for lo, hi in s.box(r)), device="meta") for i, s in enumerate(shardings)}
         with sim.OpCounter() as counter:
             sim.redistribute_on_meta(tables, plan.units, stacks)
