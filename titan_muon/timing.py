@@ -17,16 +17,21 @@ from torch.profiler import record_function
 
 
 class StepTimer:
-    """Named intervals, each possibly started and stopped several times (their sum is reported)."""
+    """Named intervals, each possibly started and stopped several times (their sum is reported).
 
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
+    ``event_factory`` makes the device events (CUDA: ``torch.cuda.Event(enable_timing=True)``);
+    tests pass a stand-in that enforces CUDA's contract on a CPU.
+    """
+
+    def __init__(self, device: torch.device, event_factory=None):
+        self.cuda = device.type == "cuda" or event_factory is not None
+        self._event = event_factory or (lambda: torch.cuda.Event(enable_timing=True))
         self._open: dict[str, object] = {}
         self._closed: dict[str, list] = defaultdict(list)
 
     def _now(self):
         if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
+            event = self._event()
             event.record()
             return event
         return time.perf_counter()
@@ -44,7 +49,14 @@ class StepTimer:
             return 1e3 * sum(stop - start for start, stop in intervals)
 
         def read() -> float:
-            return sum(start.elapsed_time(stop) for start, stop in intervals)  # waits for the events
+            # CUDAEvent.elapsed_time raises unless both events have completed ("Both events must
+            # be completed"); reading metrics is the documented host sync, so wait for them here.
+            total = 0.0
+            for start, stop in intervals:
+                start.synchronize()
+                stop.synchronize()
+                total += start.elapsed_time(stop)
+            return total
 
         return read
 
