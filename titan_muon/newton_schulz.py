@@ -97,12 +97,19 @@ def newton_schulz_flops(rows: int, cols: int, steps: int, algorithm: str = "stan
 
 def resolve_algorithm(rows: int, cols: int, dtype: torch.dtype, device_type: str) -> str:
     """What algorithm="auto" runs on a (rows, cols) matrix: "gram" where it is both faster and as
-    accurate, which is a matter of shape: the long side at least GRAM_MIN_ASPECT times the short
-    one, and the short side at least GRAM_MIN_SIDE (docs/newton_schulz.md). Measured on CPU in
-    fp32 and bf16 with the same crossover; on GPUs FLOP counts predict the same one. dtype and
-    device_type let a device-specific rule be added without changing callers.
+    accurate — in fp32, when the long side is at least GRAM_MIN_ASPECT times the short one and the
+    short side at least GRAM_MIN_SIDE (docs/newton_schulz.md) — and "standard" otherwise.
+
+    Never Gram in bf16: the Gram matrix squares the condition number, and in bf16 its error
+    grows with the short side. On inputs whose column scales span 1e4–1e6, bf16 Gram NS let the
+    largest singular value reach 1.139 / 1.165 (Keller / Polar Express) where standard bf16 NS
+    stays at 1.137 / 1.142 at 512 x 1792 (this CPU, 2026-11-24), and 1.39 / 1.53 against 1.20 /
+    1.14 at 2048-wide inputs (the review of issue 19). ``scripts/gpu_check.sh`` measures it at
+    Llama-3 and DeepSeek-V3 shapes on a GPU.
     """
     short, long = min(rows, cols), max(rows, cols)
+    if dtype != torch.float32:
+        return "standard"
     return "gram" if short >= GRAM_MIN_SIDE and long >= GRAM_MIN_ASPECT * short else "standard"
 
 
