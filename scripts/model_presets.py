@@ -38,6 +38,8 @@ class Model:
     name: str
     params: tuple[tuple[str, tuple[int, ...]], ...]
     head_rows: dict[str, int] = field(default_factory=dict)  # Split: FQN -> rows per head block
+    dim: int = 0  # hidden size and vocabulary: the AdamW parameters beside the matrices
+    vocab: int = 0
 
     @property
     def matrices(self) -> int:
@@ -61,7 +63,23 @@ def llama3(name: str, dim: int, layers: int, heads: int, kv_heads: int, ffn: int
         params.append((f"{p}attention.wo.weight", (dim, heads * head_dim)))
         params += [(f"{p}feed_forward.w1.weight", (ffn, dim)), (f"{p}feed_forward.w2.weight", (dim, ffn))]
         params.append((f"{p}feed_forward.w3.weight", (ffn, dim)))
-    return Model(name, tuple(params), head_rows)
+    return Model(name, tuple(params), head_rows, dim=dim, vocab=128256)
+
+
+def qwen3_moe() -> Model:
+    """Qwen3-30B-A3B (Qwen/Qwen3-30B-A3B config.json): 48 layers, hidden 2048, 32 query and 4 KV heads
+    of 128, 128 routed experts of 768 in every layer, no shared expert; laid out as torchtitan's MoE."""
+    dim, heads, kv_heads, head_dim, experts, inter = 2048, 32, 4, 128, 128, 768
+    params, head_rows = [], {}
+    for i in range(48):
+        p = f"layers.{i}."
+        for key, rows in (("wq", heads * head_dim), ("wk", kv_heads * head_dim), ("wv", kv_heads * head_dim)):
+            params.append((f"{p}attention.{key}.weight", (rows, dim)))
+            head_rows[f"{p}attention.{key}.weight"] = head_dim
+        params.append((f"{p}attention.wo.weight", (dim, heads * head_dim)))
+        params += [(f"{p}moe.experts.w1", (experts, inter, dim)), (f"{p}moe.experts.w2", (experts, dim, inter))]
+        params.append((f"{p}moe.experts.w3", (experts, inter, dim)))
+    return Model("Qwen3-30B-A3B", tuple(params), head_rows, dim=dim, vocab=151936)
 
 
 def deepseek_v3(
@@ -85,7 +103,7 @@ def deepseek_v3(
             params.append((f"{p}moe.experts.w3", (experts, moe_inter, dim)))
             mlp, hidden = f"{p}moe.shared_experts.", shared * moe_inter
         params += [(f"{mlp}w1.weight", (hidden, dim)), (f"{mlp}w2.weight", (dim, hidden)), (f"{mlp}w3.weight", (hidden, dim))]
-    return Model(name, tuple(params), head_rows)
+    return Model(name, tuple(params), head_rows, dim=dim, vocab=163840 if experts == 384 else 129280)
 
 
 def _presets() -> dict[str, Model]:
