@@ -107,7 +107,7 @@ def deepseek_v3(
 
 
 def _presets() -> dict[str, Model]:
-    mla = dict(dim=7168, inter=18432, moe_inter=2048, layers=61, shared=1, q_lora=1536, kv_lora=512, nope=128, rope=64, v=128)
+    mla = {"dim": 7168, "inter": 18432, "moe_inter": 2048, "layers": 61, "shared": 1, "q_lora": 1536, "kv_lora": 512, "nope": 128, "rope": 64, "v": 128}
     return {
         # torchtitan 0.2.2 llama3_args (ffn: 14336 / 28672 / 53248 from multiple_of and ffn_dim_multiplier)
         "Llama-3 8B": llama3("Llama-3 8B", 4096, 32, 32, 8, 14336),

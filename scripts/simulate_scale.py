@@ -29,12 +29,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from model_presets import PRESETS, Model, llama3, qwen3_moe  # noqa: E402 - scripts/ is on sys.path
-from replay import Hardware, RankResult, replay  # noqa: E402
-from step_trace import Collective, Trace, trace_rank  # noqa: E402
+from model_presets import PRESETS, Model, qwen3_moe
+from replay import Hardware, RankResult, replay
+from step_trace import Collective, Trace, trace_rank
 
 ROOT = Path(__file__).resolve().parents[1]
-CUDA_DEFAULTS = dict(comm_dtype="bf16", ns_dtype="bf16")  # what "auto" resolves to on CUDA
+CUDA_DEFAULTS = {"comm_dtype": "bf16", "ns_dtype": "bf16"}  # what "auto" resolves to on CUDA
 
 H100 = Hardware()
 # GB300 (Blackwell Ultra): 2.5 PFLOP/s dense bf16 per GPU, HBM3e 8 TB/s, NVLink 5 at 900 GB/s per
@@ -270,8 +270,8 @@ def rerun_at(row: Row, nvlink_bytes_per_s: float) -> float:
 
 def table(rows: Sequence[Row]) -> list[str]:
     lines = [
-        "| model | layout | W | GPU | step ms | ideal ms | step / ideal | one communicator ms | AdamW-only step ms "
-        "| ranks without NS | MiB sent per rank | peak transient MiB per rank | rounds | kernels per rank | host reads |",
+        ("| model | layout | W | GPU | step ms | ideal ms | step / ideal | one communicator ms | AdamW-only step ms "
+        "| ranks without NS | MiB sent per rank | peak transient MiB per rank | rounds | kernels per rank | host reads |"),
         "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
@@ -308,21 +308,21 @@ def render(rows: Sequence[Row], command: str, elapsed_s: float) -> str:
     header = [
         "# Scale: the real step of every rank, replayed with CUDA and NCCL semantics",
         "",
-        f"Written by `{command}` on {_cpu_name()} (2 cores), {datetime.date.today().isoformat()}, torch "
+        (f"Written by `{command}` on {_cpu_name()} (2 cores), {datetime.date.today().isoformat()}, torch "
         f"{torch.__version__}, in {elapsed_s / 60:.0f} min. Replaying model: `scripts/step_trace.py` traces each "
         "rank's `Muon.step()` on `meta` over torch's fake process group (titan_muon's own planning, exchange, "
         "Newton–Schulz and commit, at the settings a CUDA run gets by default: bf16 on the wire and in "
         "Newton–Schulz, standard NS as `ns_algorithm=\"auto\"` picks in bf16, fp32 momentum, 8 GiB exchange memory, "
         "2 rounds in flight, no overlap); `scripts/replay.py` replays all ranks' traces with a host clock, one "
         "compute stream and one in-order stream per communicator per rank (its docstring has the rules, "
-        "`Hardware` every rate and its source). Checked by `tests/test_simulate_scale.py`.",
+        "`Hardware` every rate and its source). Checked by `tests/test_simulate_scale.py`."),
         "",
-        "Columns: *step*: the slowest rank's step, host and streams drained; *ideal*: the busiest rank's "
+        ("Columns: *step*: the slowest rank's step, host and streams drained; *ideal*: the busiest rank's "
         "Newton–Schulz plus its bytes on the links (no latency, no launches, no elementwise work); *one "
         "communicator*: the same traces with return trips on the outbound communicator (the wave-2 design); "
         "*AdamW-only*: the same model with every parameter in AdamW (torch's fused AdamW); *ranks without NS*: "
         "ranks that own no matrix; *peak transient*: the optimizer's own `muon/peak_transient_bytes`, which "
-        "`tests/test_memory.py` checks against storage lifetimes measured independently.",
+        "`tests/test_memory.py` checks against storage lifetimes measured independently."),
         "",
         *table(rows),
         "",

@@ -32,7 +32,7 @@ from torch.utils import _pytree as pytree
 from torch.utils.flop_counter import flop_registry
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from meta_device import DeviceAudit, meta_process_group  # noqa: E402 - the suite's meta process group
+from meta_device import DeviceAudit, meta_process_group
 
 aten = torch.ops.aten
 _FREE = {aten.empty.memory_format, aten.empty_strided.default, aten.empty_like.default, aten.detach.default,

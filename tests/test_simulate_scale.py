@@ -2,7 +2,6 @@
 NCCL semantics (scripts/replay.py), checked on hand-built traces whose timing follows from the
 rules alone, and on traces of the real step whose bytes and FLOPs are known independently."""
 
-import math
 import sys
 from pathlib import Path
 
@@ -11,10 +10,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
-from replay import Hardware, replay  # noqa: E402
-from step_trace import Collective, HostRead, Kernel, Trace, Wait, trace_rank  # noqa: E402
+from replay import Hardware, replay
+from step_trace import Collective, HostRead, Kernel, Trace, Wait, trace_rank
 
-from titan_muon.newton_schulz import newton_schulz_flops  # noqa: E402
+from titan_muon.newton_schulz import newton_schulz_flops
 
 # Round numbers, so expected times are sums of a few terms: a kernel of 1 GB takes 1 ms, a launch
 # 1 us, a collective has 10 us latency plus 1 us per peer, 1 GB crosses NVLink in 10 ms.
@@ -113,7 +112,7 @@ def _rounds_with_one_owner_each(shared: bool, owners: int = 4) -> float:
 
 def test_returns_on_their_own_communicator_let_every_owner_compute_at_once():
     # The trips add tens of microseconds (1 MB, latencies) to whole 10 ms rounds of compute.
-    within = dict(abs=1 * MS)
+    within = {"abs": 1 * MS}
     assert _rounds_with_one_owner_each(shared=False) == pytest.approx(10 * MS, **within)
     assert _rounds_with_one_owner_each(shared=False, owners=8) == pytest.approx(10 * MS, **within)
     assert _rounds_with_one_owner_each(shared=True) == pytest.approx(20 * MS, **within)
