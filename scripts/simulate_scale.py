@@ -92,7 +92,7 @@ def trace_all(case: Case, workers: int, muon: bool = True) -> list[Trace]:
     jobs = [(rank, case, muon) for rank in range(case.world)]
     if workers <= 1:
         return [_trace(job) for job in jobs]
-    with multiprocessing.get_context("fork").Pool(workers) as pool:
+    with multiprocessing.get_context("fork").Pool(workers, maxtasksperchild=1) as pool:  # fresh DeviceMesh caches
         return pool.map(_trace, jobs, chunksize=1)
 
 
