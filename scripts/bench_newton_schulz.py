@@ -106,6 +106,27 @@ def gram_with_runs(matrix: torch.Tensor, method: str, dtype: torch.dtype, runs: 
     return out.mT if matrix.size(0) > matrix.size(1) else out
 
 
+def accuracy_rows(shapes: list[tuple[int, ...]], dtype_names: list[str]) -> list[str]:
+    """Per shape, input kind, coefficients and dtype: errors() of standard NS, Gram NS, and Gram NS
+    run as one 5-step run without restart."""
+    rows = []
+    for shape in shapes:
+        for kind in ("gaussian", "low-rank"):
+            generator = torch.Generator().manual_seed(1)
+            matrix = torch.randn(*shape, generator=generator, dtype=torch.float64) if kind == "gaussian" else lowrank(*shape, generator)
+            for method in ("keller", "polar_express"):
+                polar, polynomial = exact_targets(matrix, method)
+                for dtype_name in dtype_names:
+                    dtype = DTYPES[dtype_name]
+                    outs = [orthogonalize(matrix.float(), 5, method, dtype, algorithm=a) for a in ("standard", "gram")]
+                    outs.append(gram_with_runs(matrix.float(), method, dtype, (5,)))
+                    cells = [" / ".join(f"{v:.3g}" for v in errors(o, polar, polynomial)) for o in outs]
+                    label = "x".join(map(str, shape))
+                    rows.append(f"| {label} | {kind} | {method} | {dtype_name} | " + " | ".join(cells) + " |")
+                    print(rows[-1], flush=True)
+    return rows
+
+
 def restart_rows(shape: tuple[int, int], dtype_names: list[str], splits: list[tuple[int, ...]], seeds: int) -> list[str]:
     """Worst over `seeds` inputs of the rounding error ‖O − U f(S) Vᵀ‖₂, standard and gram with each split into runs."""
     rows = []

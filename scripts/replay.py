@@ -76,6 +76,7 @@ class RankResult:
     busy_s: dict = field(default_factory=lambda: defaultdict(float))  # compute time by phase
     wire_s: float = 0.0  # time this rank's all-to-all bytes take on the links, latency excluded
     bytes_sent: int = 0  # to other ranks
+    host_busy_s: float = 0.0  # host time spent launching kernels and collectives and reading back
     host_reads: int = 0
     kernels: int = 0
 
@@ -85,8 +86,19 @@ class RankResult:
 
     @property
     def ideal_s(self) -> float:
-        """The rank's Newton–Schulz plus its bytes: what an ideal schedule cannot go below."""
+        """Issue 16's ideal: the rank's Newton–Schulz plus its bytes on the links. Not a lower bound:
+        the wire overlaps Newton–Schulz, and the elementwise work and launches are left out."""
         return self.newton_schulz_s + self.wire_s
+
+    @property
+    def compute_s(self) -> float:
+        return sum(self.busy_s.values())
+
+    @property
+    def bound_s(self) -> float:
+        """What no schedule of this rank's work can go below: its compute stream's work, its bytes
+        on the links and its host's launches, each alone, all perfectly overlapped."""
+        return max(self.compute_s, self.wire_s, self.host_busy_s)
 
 
 class _Rank:
@@ -131,6 +143,7 @@ class Replay:
             event = rank.trace.events[rank.position]
             if isinstance(event, Kernel):
                 rank.host += hw.launch_s
+                result.host_busy_s += hw.launch_s
                 duration = hw.kernel_s(event)
                 rank.compute = max(rank.host, rank.compute) + duration
                 result.busy_s[event.phase] += duration
@@ -141,6 +154,7 @@ class Replay:
                 if sequence and previous not in self.ends:
                     break  # the communicator's stream is still busy with a collective not yet resolved
                 rank.host += hw.collective_host_s
+                result.host_busy_s += hw.collective_host_s
                 ready = rank.compute if sequence == 0 else max(rank.compute, self.ends[previous][rank.trace.rank])
                 key = (event.comm, sequence)
                 rank.sequence[event.comm] += 1
@@ -156,6 +170,7 @@ class Replay:
                 rank.compute = max(rank.compute, self.ends[key][rank.trace.rank])
             elif isinstance(event, HostRead):
                 rank.host = max(rank.host, rank.compute) + hw.host_read_s
+                result.host_busy_s += hw.host_read_s
                 result.host_reads += 1
             rank.position += 1
         return rank.position != start_position

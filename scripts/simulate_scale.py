@@ -8,9 +8,9 @@ Every rank's step is run by titan_muon itself on ``meta`` tensors over torch's f
 with what a CUDA run gets by default (``comm_dtype`` and ``ns_dtype`` "auto" resolve to bf16 on CUDA,
 ``ns_algorithm`` "auto" then picks standard Newton–Schulz, fp32 momentum, no overlap, the shipped
 exchange memory and window), and the traces are replayed with per-rank streams
-(``scripts/step_trace.py``, ``scripts/replay.py``). The ideal of a case is its busiest rank's
-Newton–Schulz plus the time its bytes take on the links; the ratio says how far the real schedule is
-from it. The same traces replayed with outbound and return trips on one communicator show what the
+(``scripts/step_trace.py``, ``scripts/replay.py``). The bound of a case is what no schedule of its
+work can beat: per rank the longest of its compute stream's work, its bytes on the links and its
+host's launches; the ratio says how far the real schedule is from it. The same traces replayed with outbound and return trips on one communicator show what the
 wave-2 design (one communicator) would cost.
 """
 
@@ -126,8 +126,21 @@ class Row:
         return max(r.ideal_s for r in self.results.values())
 
     @property
+    def bound_s(self) -> float:
+        return max(r.bound_s for r in self.results.values())
+
+    @property
     def ratio(self) -> float:
-        return self.step_s / self.ideal_s
+        return self.step_s / self.bound_s
+
+    @property
+    def ns_balance(self) -> float:
+        """The busiest rank's Newton–Schulz over the mean rank's: 1 when every owner works equally."""
+        ns = [r.newton_schulz_s for r in self.results.values()]
+        return max(ns) * len(ns) / sum(ns)
+
+    def busiest(self, attribute: str) -> float:
+        return max(getattr(r, attribute) for r in self.results.values())
 
     @property
     def one_lane_s(self) -> float:
@@ -170,8 +183,9 @@ def simulate(case: Case, workers: int, log=print) -> Row:
     elapsed = time.perf_counter() - start
     row = Row(case, replay(traces, hardware), replay(one_communicator(traces), hardware), replay(adamw, hardware),
               [t.metrics for t in traces], elapsed)  # fmt: skip
-    log(f"{case.model:>15} {case.layout:>7} W={case.world:<4} {case.hardware:>5}: step {ms(row.step_s)} ms, ideal "
-        f"{ms(row.ideal_s)} ms ({row.ratio:.2f}x), one communicator {ms(row.one_lane_s)} ms, AdamW {ms(row.adamw_s)} ms, "
+    log(f"{case.model:>15} {case.layout:>7} W={case.world:<4} {case.hardware:>5}: step {ms(row.step_s)} ms, ideal {ms(row.ideal_s)} ms, bound "
+        f"{ms(row.bound_s)} ms ({row.ratio:.2f}x; NS {ms(row.busiest('newton_schulz_s'))}, compute "
+        f"{ms(row.busiest('compute_s'))}, wire {ms(row.busiest('wire_s'))}, host {ms(row.busiest('host_busy_s'))}), one communicator {ms(row.one_lane_s)} ms, AdamW {ms(row.adamw_s)} ms, "
         f"traced in {elapsed:.0f} s")  # fmt: skip
     return row
 
@@ -233,7 +247,7 @@ def calibration(rows: Sequence[Row]) -> list[str]:
         f"(same derivation) | not replayed: pipeline and expert-parallel meshes are not traced yet; the busiest "
         f"rank's NS alone, spread evenly, is {ms(ns / 256 / GB300.bf16_matmul_flops)} ms | "
         f"{ns / 256 / GB300.bf16_matmul_flops / published:.2f} (NS only) | Megatron overlaps part of the optimizer "
-        "with the pipeline's drain; our ideal has no such overlap |"
+        "with the pipeline's drain; our bound has no such overlap |"
     )
     eight_b = next((r for r in rows if r.case.model == "Llama-3 8B" and r.case.world == 8), None)
     dion_rate = 642e6 / 15.9e-3
@@ -270,15 +284,18 @@ def rerun_at(row: Row, nvlink_bytes_per_s: float) -> float:
 
 def table(rows: Sequence[Row]) -> list[str]:
     lines = [
-        ("| model | layout | W | GPU | step ms | ideal ms | step / ideal | one communicator ms | AdamW-only step ms "
-        "| ranks without NS | MiB sent per rank | peak transient MiB per rank | rounds | kernels per rank | host reads |"),
-        "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ("| model | layout | W | GPU | step ms | ideal ms | step / ideal | bound ms | step / bound | NS ms | NS busiest / mean | compute ms "
+         "| wire ms | host ms | one communicator ms | AdamW-only step ms | MiB sent per rank "
+         "| peak transient MiB per rank | rounds | kernels per rank | host reads |"),
+        "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         c = r.case
         lines.append(
-            f"| {c.model} | {c.layout} | {c.world} | {c.hardware} | {ms(r.step_s)} | {ms(r.ideal_s)} | {r.ratio:.2f} | "
-            f"{ms(r.one_lane_s)} ({r.one_lane_s / r.ideal_s:.2f}x) | {ms(r.adamw_s)} | {r.idle_ranks} | "
+            f"| {c.model} | {c.layout} | {c.world} | {c.hardware} | {ms(r.step_s)} | {ms(r.ideal_s)} | {r.step_s / r.ideal_s:.2f} | "
+            f"{ms(r.bound_s)} | {r.ratio:.2f} | "
+            f"{ms(r.busiest('newton_schulz_s'))} | {r.ns_balance:.2f} | {ms(r.busiest('compute_s'))} | "
+            f"{ms(r.busiest('wire_s'))} | {ms(r.busiest('host_busy_s'))} | {ms(r.one_lane_s)} | {ms(r.adamw_s)} | "
             f"{mib(r.bytes_per_rank)} | {mib(r.peak_transient_bytes)} | {r.rounds} | {r.kernels:,} | {r.host_reads} |"
         )
     return lines

@@ -170,11 +170,19 @@ def test_traced_bytes_and_flops_are_the_steps(traces):
     assert ns == sum(newton_schulz_flops(*s, 5) for s in SHAPES)
 
 
-def test_llama3_8b_on_8_ranks_is_close_to_its_ideal():
+def test_llama3_8b_on_8_ranks_is_close_to_its_bound():
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
     import simulate_scale
 
     row = simulate_scale.simulate(simulate_scale.Case("Llama-3 8B", 8), workers=1, log=lambda _: None)
     assert row.idle_ranks == 0
-    assert row.ratio <= 1.25, f"replayed step {row.step_s * 1e3:.1f} ms vs ideal {row.ideal_s * 1e3:.1f} ms"
+    # The plan's balance property (tests/test_plan.py): 224 matrices are >= 4 W units.
+    assert row.ns_balance <= 1.1
+    # The bound overlaps everything; what no schedule hides is the first round's outbound trip and the
+    # last round's return. Rounds hold equal Newton–Schulz work, not equal bytes: each trip is at most
+    # twice the busiest rank's wire time over the rounds.
+    unhidden = 2 * 2 * row.busiest("wire_s") / row.rounds
+    assert row.step_s <= row.bound_s + unhidden, (
+        f"replayed step {row.step_s * 1e3:.1f} ms vs bound {row.bound_s * 1e3:.1f} ms + {unhidden * 1e3:.1f} ms"
+    )
     assert row.one_lane_s >= row.step_s * (1 - 1e-9)
