@@ -169,8 +169,12 @@ def build_param_groups(
         (adamw, {"lr": adamw_lr, "betas": adamw_betas, "eps": adamw_eps, "weight_decay": adamw_weight_decay}),
     ):
         group.update({key: value for key, value in settings.items() if value is not None})
-    logger.info("titan_muon build_param_groups:\n%s", role_table(roles))
+    logger.info("titan_muon build_param_groups: %s, %s\n%s", _totals(MUON, muon), _totals(ADAMW, adamw), role_table(roles))
     return [group for group in (muon, adamw) if group["params"]]
+
+
+def _totals(label: str, group: dict) -> str:
+    return f"{label} {len(group['params'])} tensors ({sum(p.numel() for p in group['params']):,} elements)"
 
 
 def _parameters_with_owners(source: nn.Module | Iterable[tuple[str, torch.Tensor]]):
