@@ -77,6 +77,8 @@ def test_roles_from_names_alone_and_from_module_types():
     # What no rule fits.
     assert role("layers.0.moe.blocks.w1_EFD", 4, 8, 16) == "unclassified"  # 3-D outside an experts module
     assert role("layers.0.proj", 16, 16) == "unclassified"  # a bare 2-D nn.Parameter
+    assert role("layers.0.wq", 16, 16) == "hidden matrix"  # ... unless named like a projection
+    assert role("layers.0.w1", 4, 16, 16) == "unclassified"  # not a stack of experts
 
 
 class _Unusual(nn.Module):

@@ -26,7 +26,8 @@ vector         AdamW    any other 0-D or 1-D tensor (attention sinks, ``A_log``.
 
 ``adamw_patterns`` / ``muon_patterns`` (fnmatch on the cleaned FQN, AdamW first) override the
 roles. A tensor of 2 or more dimensions that no rule fits is *unclassified*: a 3-D tensor
-outside an experts module, a 2-D ``nn.Parameter`` not called ``weight``. Guessing its group is
+outside an experts module, a bare 2-D ``nn.Parameter`` with a name not in
+:data:`HIDDEN_MATRIX_NAMES` (``wq``, ``w1``, ``q_proj``...). Guessing its group is
 how a new model layout trains its experts with the wrong optimizer without anyone noticing, so
 :func:`build_param_groups` raises, naming them, unless told ``unclassified="adamw"``.
 """
@@ -65,6 +66,11 @@ EMBEDDING_MODULE_NAMES = frozenset({"tok_embeddings", "embed_tokens", "embedding
 OUTPUT_HEAD_MODULE_NAMES = frozenset({"output", "lm_head"})
 # FQN components that mark MoE routers and gates: torchtitan's ``moe.router.gate``, Hugging Face's ``mlp.gate``.
 ROUTER_MODULE_NAMES = frozenset({"router", "gate"})
+# Hidden matrices held as bare 2-D parameters rather than as a linear layer's ``weight``.
+HIDDEN_MATRIX_NAMES = frozenset({
+    "wq", "wk", "wv", "wo", "wqkv", "wq_a", "wq_b", "wkv_a", "wkv_b", "w1", "w2", "w3", "eh_proj",
+    "q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "gate_proj", "up_proj", "down_proj", "gate_up_proj",
+})  # fmt: skip
 # Grouped expert weights live in a module named like torchtitan's ``experts`` / ``inner_experts``.
 EXPERTS_MODULE_SUFFIX = "experts"
 NORM_MODULE_TYPES = (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.modules.batchnorm._NormBase)
@@ -113,7 +119,7 @@ def classify(
         return "expert stack"
     if isinstance(owner, nn.modules.conv._ConvNd) or (param.ndim >= 3 and leaf == "weight" and "conv" in owner_name.lower()):
         return "convolution"
-    if param.ndim == 2 and leaf == "weight":
+    if param.ndim == 2 and (leaf == "weight" or leaf in HIDDEN_MATRIX_NAMES):
         return "hidden matrix"
     return UNCLASSIFIED
 
@@ -200,7 +206,7 @@ def _check_unclassified(roles: list[tuple[str, torch.Tensor, str]], policy: str)
     raise ValueError(
         "titan_muon build_param_groups: cannot tell whether these parameters are hidden matrices (Muon) or not (AdamW):\n"
         f"{listing}\n"
-        "Rules: a 2-D `weight` is a linear layer (Muon) unless it is an embedding, output head, router or norm; a 3-D "
+        "Rules: a 2-D `weight` (or a bare 2-D wq, w1, q_proj...) is a linear map (Muon) unless it is an embedding, output head, router or norm; a 3-D "
         "tensor is a stack of expert matrices (Muon) only when its module's name ends in 'experts'. Place them with "
         "muon_patterns / adamw_patterns (fnmatch on the FQN), or opt out with unclassified=\"adamw\" to send every "
         "unclassified parameter to AdamW with a warning (torchtitan: [optimizer] unclassified_params = \"adamw\")."
