@@ -67,6 +67,8 @@ def test_roles_from_names_alone_and_from_module_types():
     assert role("layers.0.moe.shared_experts.gate.weight", 1, 16) == "router gate"  # qwen3.5's sigmoid gate
     assert role("layers.0.moe.routed_experts.inner_experts.mlp1_bias_EG", 4, 32) == "bias"  # gpt-oss: a 2-D bias stack
     assert role("vision_encoder.pos_embed", 64, 16) == "embedding"
+    assert role("vision_encoder.patch_embed.weight", 16, 48) == "embedding"
+    assert role("text_embedder.layers.0.w1.weight", 32, 16) == "hidden matrix"
     assert role("lm_head.weight", 50, 16) == "output head"
     assert role("layers.0.attention.sinks", 4) == "vector"
     assert role("layers.0.attn.conv_q.weight", 16, 1, 4) == "convolution"

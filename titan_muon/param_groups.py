@@ -60,7 +60,7 @@ ROLE_GROUPS = {
 }
 UNCLASSIFIED = "unclassified"
 
-# FQN components of embeddings in torchtitan and Hugging Face models (besides any name containing "embed").
+# FQN components of embeddings in torchtitan and Hugging Face models (besides names containing "embed").
 EMBEDDING_MODULE_NAMES = frozenset({"tok_embeddings", "embed_tokens", "embeddings", "embedding", "wte", "wpe"})
 # Names of the module that owns the output head's weight.
 OUTPUT_HEAD_MODULE_NAMES = frozenset({"output", "lm_head"})
@@ -125,9 +125,12 @@ def classify(
 
 
 def _is_embedding(modules: Sequence[str], leaf: str, owner: nn.Module | None) -> bool:
-    if isinstance(owner, (nn.Embedding, nn.EmbeddingBag)):
+    if isinstance(owner, (nn.Embedding, nn.EmbeddingBag)) or any(part in EMBEDDING_MODULE_NAMES for part in modules):
         return True
-    return any(part in EMBEDDING_MODULE_NAMES or "embed" in part.lower() for part in (*modules, leaf))
+    # "embed" only in the parameter's own name or its module's (pos_embed, patch_embed.weight): a
+    # whole sub-network named, say, text_embedder still has hidden matrices.
+    owner_name = modules[-1] if modules else ""
+    return "embed" in leaf.lower() or "embed" in owner_name.lower()
 
 
 def build_param_groups(
