@@ -14,6 +14,7 @@ found from the global rows of the query projection it holds.
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Sequence
 
@@ -23,6 +24,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from titan_muon.fused_qkv import fused_qkv_layout, projection_owner
 from titan_muon.layout import local_block
 
 CPU_BLOCK_BYTES = 4 << 20
@@ -87,6 +89,15 @@ def block_max_logits(
     return (best.float() * scale).reshape(q_heads)
 
 
+def _takes_sequence_major_inputs(inner_attention: nn.Module) -> bool:
+    """torchtitan 0.3.0's inner attentions name their inputs by layout: ``q_BLNH`` (batch, seq, heads, dim)."""
+    try:
+        first = next(iter(inspect.signature(inner_attention.forward).parameters), "")
+    except (TypeError, ValueError):  # no signature to read: a C++ or oddly wrapped forward
+        return False
+    return first.endswith("BLNH")
+
+
 def _allowed(mask_mod, batch, kv_heads, rep, start, end, kv_len, device) -> Tensor:
     """mask_mod on index grids broadcast to the (B, Hk, rows, rep, Lk) block."""
     b = torch.arange(batch, device=device).view(batch, 1, 1, 1, 1)
@@ -119,8 +130,20 @@ def _rows_placement(placement, dim: int):
 
 
 def query_projection(attention: nn.Module) -> nn.Linear:
-    """The linear layer whose output rows are the query heads (MLA with a q LoRA: ``wq_b``)."""
-    return attention.wq_b if getattr(attention, "q_lora_rank", 0) else attention.wq
+    """The linear layer whose output rows are the query heads, and only them.
+
+    MLA: ``wq`` (``wq_b`` with a q LoRA); GQA: ``wq`` (torchtitan 0.3.0: ``qkv_linear.wq``).
+    torchtitan 0.3.0's fused ``qkv_linear.wqkv`` has no such layer: its query rows are
+    interleaved with key and value rows (:mod:`titan_muon.fused_qkv` knows where they are).
+    """
+    if getattr(attention, "q_lora_rank", 0):
+        return attention.wq_b
+    if fused_qkv_layout(attention) is not None:
+        raise ValueError(
+            f"{type(attention).__name__} fuses q, k and v into qkv_linear.wqkv, whose query rows are interleaved "
+            "with key and value rows per KV group: use titan_muon.fused_qkv.fused_qkv_layout for their positions"
+        )
+    return projection_owner(attention).wq
 
 
 def first_local_head(attention: nn.Module, local_heads: int) -> int:
@@ -176,6 +199,14 @@ class MaxLogitRecorder:
 
     @staticmethod
     def _check_supported(layer: nn.Module) -> None:
+        if hasattr(layer, "qkv_linear") or _takes_sequence_major_inputs(layer.inner_attention):
+            raise NotImplementedError(
+                f"max-logit recording is not built for torchtitan 0.3.0's attention ({type(layer).__name__}): its "
+                "inner attention receives q and k as (batch, seq, heads, head_dim), not the (batch, heads, seq, "
+                "head_dim) this hook reads, and llama3 fuses q/k/v into qkv_linear.wqkv. The clip itself handles "
+                "these layouts: with per-head max logits recorded elsewhere, call "
+                "titan_muon.clip.apply_qk_clip(find_attention_layers(model), max_logits)."
+            )
         attn_type = getattr(layer, "attn_type", "sdpa")
         if attn_type not in ("sdpa", "flex"):
             raise NotImplementedError(

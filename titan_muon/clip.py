@@ -16,6 +16,9 @@ h by a·b. The rules below pick a, b per head:
 * MLA: per head, q_nope rows * gamma^alpha, k_nope rows (in wkv_b) * gamma^(1-alpha),
   q_rope rows * gamma; the shared k_rope (in wkv_a) and the V rows are untouched.
 
+torchtitan 0.3.0's fused ``qkv_linear.wqkv`` gets the same factors, placed on its
+interleaved q and k rows (its v rows keep 1).
+
 Weights may be DTensors sharded by FSDP2, HSDP, tensor parallel or FSDP2 on top of tensor
 parallel (``Shard(0)`` / ``_StridedShard(0)``): every rank scales the rows it holds, whatever
 head they belong to, from a per-global-row factor vector. No communication, and no host read:
@@ -34,6 +37,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from titan_muon.attention_logits import MaxLogitRecorder, held_rows, query_projection
+from titan_muon.fused_qkv import fused_qkv_layout, projection_owner
 from titan_muon.update import local_shard
 
 logger = logging.getLogger(__name__)
@@ -65,7 +69,12 @@ class AttentionLayer:
         whole_group_clipped = clipped.view(m.n_kv_heads, -1).all(dim=1)
         k = torch.where(whole_group_clipped, groups.amax(dim=1).pow(1 - alpha), 1.0)
         q = groups / k[:, None]
-        return [(m.wq, q.reshape(-1).repeat_interleave(m.head_dim)), (m.wk, k.repeat_interleave(m.head_dim))]
+        q_rows, k_rows = q.reshape(-1).repeat_interleave(m.head_dim), k.repeat_interleave(m.head_dim)
+        projections = projection_owner(m)
+        layout = fused_qkv_layout(m)
+        if layout is not None:  # v rows keep factor 1
+            return [(projections.wqkv, layout.fuse(q_rows, k_rows, torch.ones_like(k_rows)))]
+        return [(projections.wq, q_rows), (projections.wk, k_rows)]
 
 
 def _clean_name(name: str) -> str:
@@ -78,7 +87,9 @@ def find_attention_layers(model: nn.Module, *, required: bool = True) -> list[At
     """TorchTitan attention modules of `model`, in model order, named by their FQN.
 
     GQA/MHA: modules with ``inner_attention``, ``wq``, ``wk``, ``n_heads``, ``n_kv_heads``,
-    ``head_dim`` (llama3, llama4, qwen3 without qk-norm). MLA: ``wkv_b`` and ``wq`` or ``wq_b``
+    ``head_dim`` (llama3, llama4, qwen3 without qk-norm); in torchtitan 0.3.0 the projections
+    sit in ``qkv_linear``, as ``wq``/``wk``/``wv`` or fused into ``wqkv`` (whose q and k rows
+    are found per head from :mod:`titan_muon.fused_qkv`). MLA: ``wkv_b`` and ``wq`` or ``wq_b``
     (deepseek_v3). Raises on qk-norm, where rescaling the weights cannot change the logits,
     and (if ``required``) when there is no attention module at all.
     torchtitan keys ``model.layers`` by the global layer id, so a pipeline stage's names
@@ -93,21 +104,33 @@ def find_attention_layers(model: nn.Module, *, required: bool = True) -> list[At
             _check_rows(name, query_projection(module), module.n_heads * (module.qk_nope_head_dim + module.qk_rope_head_dim))
             _check_rows(name, module.wkv_b, module.n_heads * (module.qk_nope_head_dim + module.v_head_dim))
             layers.append(AttentionLayer(name, module, "mla", int(module.n_heads)))
-        elif hasattr(module, "wq") and hasattr(module, "wk"):
+        elif fused_qkv_layout(module) is not None or all(hasattr(projection_owner(module), p) for p in ("wq", "wk")):
             if getattr(module, "q_norm", None) is not None or getattr(module, "k_norm", None) is not None:
                 raise ValueError(
                     f"QK-clip: attention {name!r} normalizes q and k per head (qk-norm), which cancels any rescaling "
                     "of W_q / W_k, so QK-clip cannot bound its logits. qk-norm already keeps logits bounded: "
                     "disable qk_clip for this model, or build it without qk_norm."
                 )
-            _check_rows(name, module.wq, module.n_heads * module.head_dim)
-            _check_rows(name, module.wk, module.n_kv_heads * module.head_dim)
+            _check_gqa_rows(name, module)
             layers.append(AttentionLayer(name, module, "gqa", int(module.n_heads)))
         else:
-            raise ValueError(f"QK-clip: attention {name!r} ({type(module).__name__}) is neither GQA (wq, wk) nor MLA (wkv_b)")
+            raise ValueError(
+                f"QK-clip: attention {name!r} ({type(module).__name__}) is neither GQA (wq and wk, or torchtitan 0.3.0's "
+                "qkv_linear) nor MLA (wkv_b)"
+            )
     if required and not layers:
         raise ValueError(f"QK-clip: no attention module with an `inner_attention` child in {type(model).__name__}")
     return layers
+
+
+def _check_gqa_rows(name: str, attention: nn.Module) -> None:
+    projections = projection_owner(attention)
+    layout = fused_qkv_layout(attention)
+    if layout is not None:
+        _check_rows(name, projections.wqkv, layout.rows)
+        return
+    _check_rows(name, projections.wq, attention.n_heads * attention.head_dim)
+    _check_rows(name, projections.wk, attention.n_kv_heads * attention.head_dim)
 
 
 def _check_rows(name: str, linear: nn.Linear, expected: int) -> None:

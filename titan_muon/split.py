@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from fnmatch import fnmatchcase
 
+from titan_muon.fused_qkv import fused_qkv_layout
 from titan_muon.param_groups import clean_fqn
 
 RowBlocks = int | Sequence[int]
@@ -57,7 +58,8 @@ SPLIT_MODES = ("none", "head", "fine")
 def attention_row_blocks(model, mode: str = "head", *, missing_ok: bool = False) -> dict[str, RowBlocks]:
     """Row blocks of the attention projections of torchtitan's llama3 (GQA) and deepseek_v3 (MLA).
 
-    "head": GQA wq per Q head, wk / wv per KV head; MLA wq (or wq_b) per head as
+    "head": GQA wq per Q head, wk / wv per KV head (torchtitan 0.3.0: ``qkv_linear.wq/wk/wv``,
+    or the fused ``qkv_linear.wqkv`` per q, k and v head); MLA wq (or wq_b) per head as
     [q_nope + q_rope] and wkv_b per head as [k_nope + v].
     "fine" (GLM-5): MLA heads split further into q_nope | q_rope and k_nope | v.
     "none": no split. Modules are recognized by the attributes torchtitan's attention sets.
@@ -79,6 +81,16 @@ def attention_row_blocks(model, mode: str = "head", *, missing_ok: bool = False)
         elif hasattr(module, "n_kv_heads") and hasattr(module, "head_dim") and hasattr(module, "wq"):  # GQA / MHA
             for projection in ("wq", "wk", "wv"):
                 blocks[f"{prefix}{projection}.weight"] = module.head_dim
+        elif hasattr(module, "qkv_linear") and hasattr(module, "head_dim"):  # torchtitan 0.3.0 GQA / MHA
+            blocks.update(_qkv_linear_row_blocks(f"{prefix}qkv_linear.", module))
     if not blocks and not missing_ok:
         raise ValueError("titan_muon split: no torchtitan llama3 / deepseek_v3 attention module found in the model")
     return blocks
+
+
+def _qkv_linear_row_blocks(prefix: str, attention) -> dict[str, RowBlocks]:
+    """One block per head of torchtitan 0.3.0's ``qkv_linear``: separate wq/wk/wv, or the fused wqkv,
+    whose every head_dim rows are one q, k or v head (titan_muon.fused_qkv)."""
+    if fused_qkv_layout(attention) is not None:
+        return {f"{prefix}wqkv.weight": attention.head_dim}
+    return {f"{prefix}{projection}.weight": attention.head_dim for projection in ("wq", "wk", "wv")}

@@ -73,6 +73,10 @@ class Optimizer:
     """Extra fnmatch patterns on parameter FQNs forced to AdamW, e.g. "layers.0.*"."""
     muon_patterns: list[str] = field(default_factory=list)
     """fnmatch patterns forced to Muon (2-D, or 3-D stacks of matrices); adamw_patterns win over these."""
+    unclassified_params: Literal["raise", "adamw"] = "raise"
+    """A parameter of 2+ dimensions that build_param_groups cannot place (not a linear weight, expert
+    stack, embedding, head, router, norm, bias or convolution): "raise" names it and stops; "adamw"
+    trains it with AdamW and logs a warning naming it."""
 
 
 @dataclass

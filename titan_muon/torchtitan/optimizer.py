@@ -56,6 +56,7 @@ def param_group_kwargs(config: Any) -> dict[str, Any]:
         adamw_weight_decay=config.adamw_weight_decay,
         adamw_patterns=config.adamw_patterns,
         muon_patterns=config.muon_patterns,
+        unclassified=config.unclassified_params,
     )
 
 
@@ -83,7 +84,7 @@ class MuonOptimizersContainer(OptimizersContainer):
 
     @staticmethod
     def _build(model: nn.Module, config: Any, kwargs: dict[str, Any], pipeline: bool = False) -> Muon:
-        groups = build_param_groups(model.named_parameters(), **param_group_kwargs(config))
+        groups = build_param_groups(model, **param_group_kwargs(config))  # the model: module types help classify
         muon_names = {name for group in groups if group["use_muon"] for name in group["param_names"]}
         # Split only what is optimized by Muon: adamw_patterns may have moved attention weights.
         # A pipeline stage may hold no attention layer (embeddings only, or norm + output).
