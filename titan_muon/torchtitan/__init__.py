@@ -9,10 +9,12 @@ The core (``import titan_muon``) never imports this package: it needs torch alon
 """
 
 import importlib.metadata
-import importlib.util
 import re
 
 INSTALL = 'pip install -c constraints.txt -e ".[torchtitan]" in a checkout (or pip install "titan_muon[torchtitan]")'
+# Top-level modules of the torchtitan extra that the adapter imports, directly or through
+# torchtitan (tests/test_packaging.py checks this list against pyproject.toml).
+EXTRA_MODULES = ("torchtitan", "datasets", "tokenizers", "tensorboard", "triton")
 
 
 def check_torchtitan_version(version: str) -> None:
@@ -32,23 +34,25 @@ def check_torchtitan_version(version: str) -> None:
         )
 
 
-def _check_installed() -> None:
-    missing = [name for name in ("torchtitan", "datasets", "tokenizers") if importlib.util.find_spec(name) is None]
-    if missing:
-        raise ImportError(
-            f"titan_muon.torchtitan needs {', '.join(missing)}, which the torchtitan extra installs: {INSTALL}"
-        )
+def _installed_torchtitan_version() -> str | None:
     try:
-        version = importlib.metadata.version("torchtitan")
-    except importlib.metadata.PackageNotFoundError:  # a source tree on sys.path: nothing to check
-        return
-    check_torchtitan_version(version)
+        return importlib.metadata.version("torchtitan")
+    except importlib.metadata.PackageNotFoundError:  # missing (reported below) or a source tree on sys.path
+        return None
 
 
-_check_installed()
+if (_version := _installed_torchtitan_version()) is not None:
+    check_torchtitan_version(_version)
 
-from titan_muon.torchtitan.data import register_datasets
-from titan_muon.torchtitan.specs import register_train_specs
+try:
+    from titan_muon.torchtitan.data import register_datasets
+    from titan_muon.torchtitan.specs import register_train_specs
+except ModuleNotFoundError as error:
+    if (error.name or "").partition(".")[0] not in EXTRA_MODULES:
+        raise
+    raise ImportError(
+        f"titan_muon.torchtitan needs {error.name}, which the torchtitan extra installs: {INSTALL}"
+    ) from error
 
 register_datasets()
 register_train_specs()
