@@ -2,7 +2,7 @@
 
     torchrun --nproc-per-node 2 -m titan_muon.train --job.config_file train_configs/llama3_gqa_muon.toml
 
-Needs the ``torchtitan`` extra (``pip install "titan_muon[torchtitan]"``); ``import titan_muon``
+Needs the ``torchtitan`` extra (docs/torchtitan.md#install); ``import titan_muon``
 does not import this module.
 """
 

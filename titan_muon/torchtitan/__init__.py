@@ -11,7 +11,7 @@ The core (``import titan_muon``) never imports this package: it needs torch alon
 import importlib.metadata
 import re
 
-INSTALL = 'pip install -c constraints.txt -e ".[torchtitan]" in a checkout (or pip install "titan_muon[torchtitan]")'
+INSTALL = 'pip install -c constraints.txt -e ".[torchtitan]" in a checkout (or pip install "titan_muon[torchtitan]" "torchtitan==0.2.2")'
 # Top-level modules of the torchtitan extra that the adapter imports, directly or through
 # torchtitan (tests/test_packaging.py checks this list against pyproject.toml).
 EXTRA_MODULES = ("torchtitan", "datasets", "tokenizers", "tensorboard", "triton")
