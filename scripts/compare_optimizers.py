@@ -19,6 +19,8 @@ from statistics import mean
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from plotting import pyplot, require_matplotlib  # noqa: E402
+
 from titan_muon.torchtitan.launch import read_losses, run_training  # noqa: E402
 
 
@@ -61,6 +63,7 @@ def main() -> None:
     parser.add_argument("--out", default="docs/optimizer_comparison", help="writes OUT.png and OUT.md")
     parser.add_argument("--plot-only", action="store_true", help="reuse the losses of the last runs")
     args = parser.parse_args()
+    require_matplotlib("scripts/compare_optimizers.py")  # before the training, not after
 
     runs = {
         "AdamW": train("adamw", "train_configs/llama3_gqa_adamw.toml", [], args),
@@ -74,10 +77,7 @@ def main() -> None:
     curves = {name: smooth([losses[s] for s in sorted(losses)], args.smoothing) for name, losses in runs.items()}
     steps = sorted(runs["AdamW"])
 
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot("scripts/compare_optimizers.py")
 
     figure, axes = plt.subplots(figsize=(7, 4.2))
     for (name, losses), color in zip(runs.items(), ("tab:blue", "tab:orange")):

@@ -19,6 +19,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from plotting import pyplot, require_matplotlib  # noqa: E402
+
 from titan_muon.torchtitan.launch import read_losses, read_scalars, run_training  # noqa: E402
 
 CONFIG = "train_configs/llama3_gqa_muon.toml"
@@ -51,15 +53,13 @@ def main() -> None:
     parser.add_argument("--tau", type=float, default=None, help="default: 50 %% of the unclipped run's peak")
     parser.add_argument("--timeout", type=float, default=1800)
     args = parser.parse_args()
+    require_matplotlib("scripts/demo_muonclip.py")  # before the training, not after
 
     free, _, free_loss = train("unclipped", 1e30, args)
     tau = args.tau if args.tau is not None else 0.5 * max(free.values())
     capped, clipped_heads, capped_loss = train("clipped", tau, args)
 
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot("scripts/demo_muonclip.py")
 
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(sorted(free), [free[s] for s in sorted(free)], label="Muon, no clipping")

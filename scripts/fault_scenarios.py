@@ -50,7 +50,7 @@ class Scenarios:
 
     def start(self, dump: str, *extra: str, fault=None, max_restarts: int = 0):
         """Start torchrun; returns the process and its own log file."""
-        entry = FAULT_TRAIN if fault else ("-m", "titan_muon.train")
+        entry = FAULT_TRAIN if fault else ("-m", "titan_muon.torchtitan.train")
         command = torchrun_command(self.config, self.overrides(dump, *extra), max_restarts=max_restarts, entry=entry)
         self.launches += 1
         log_file = str(self.workdir / f"{self.launches:02d}_{dump}.log")

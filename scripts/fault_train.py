@@ -1,6 +1,6 @@
-"""titan_muon.train with one injected fault, for tests/test_faults.py and scripts/fault_scenarios.py.
+"""titan_muon.torchtitan.train with one injected fault, for tests/test_faults.py and scripts/fault_scenarios.py.
 
-    torchrun ... scripts/fault_train.py --job.config_file ...      (same arguments as titan_muon.train)
+    torchrun ... scripts/fault_train.py --job.config_file ...      (same arguments as titan_muon.torchtitan.train)
 
 One environment variable picks the fault; it fires on rank FAULT_RANK (default 1) and only
 in torchrun's first attempt (TORCHELASTIC_RESTART_COUNT=0), so a restarted group runs clean:
@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 from torchtitan.train import main
 
 from titan_muon.torchtitan import cpu
-from titan_muon.train import Trainer
+from titan_muon.torchtitan.train import Trainer
 
 
 def fault_step(name: str) -> int | None:

@@ -22,7 +22,7 @@ python scripts/bench_gpu.py | tee "$out/bench.md"
 
 for optimizer in muon adamw; do
     config=train_configs/llama3_gqa_${optimizer}.toml
-    torchrun --standalone --nproc-per-node 1 -m titan_muon.train --job.config_file "$config" \
+    torchrun --standalone --nproc-per-node 1 -m titan_muon.torchtitan.train --job.config_file "$config" \
         --training.steps 100 --metrics.log_freq 10 --job.dump_folder "$out/$optimizer" 2>&1 | tee "$out/train_$optimizer.txt"
 done
 python - "$out" <<'PY'

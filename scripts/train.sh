@@ -22,7 +22,7 @@ DUMP=${DUMP:-./outputs/$(basename "$CONFIG" .toml)}
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
 
 torchrun --standalone --nproc-per-node "$NPROC" --local-ranks-filter 0 \
-    -m titan_muon.train --job.config_file "$CONFIG" --job.dump_folder "$DUMP" "$@"
+    -m titan_muon.torchtitan.train --job.config_file "$CONFIG" --job.dump_folder "$DUMP" "$@"
 
 echo
 echo "Logs: TensorBoard event files under $DUMP/tb/ (one folder per run start)."

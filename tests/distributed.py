@@ -48,7 +48,7 @@ def apply_test_settings() -> None:
 
 
 def tiny_run_flags(workdir, dump: str, steps: int, flavor: str = "tiny_gqa") -> list[str]:
-    """titan_muon.train flags of the suite's short torchtitan runs: a tiny model, 64-token
+    """titan_muon.torchtitan.train flags of the suite's short torchtitan runs: a tiny model, 64-token
     sequences, a loss logged every step, the shared offline tokenizer under `workdir`, and
     output under `workdir / dump`."""
     return [
@@ -60,7 +60,7 @@ def tiny_run_flags(workdir, dump: str, steps: int, flavor: str = "tiny_gqa") -> 
 
 
 def trainer_flags() -> list[str]:
-    """The same determinism mode for titan_muon.train under torchrun (torchtitan's own switch);
+    """The same determinism mode for titan_muon.torchtitan.train under torchrun (torchtitan's own switch);
     the thread count reaches its workers through OMP_NUM_THREADS (tests/conftest.py)."""
     return ["--debug.deterministic"] if deterministic_mode() else []
 

@@ -1,7 +1,7 @@
 """Faults under torchrun on CPU/gloo: a killed rank, a crash mid-save, a full or unwritable
 disk, SIGTERM; plus the pre-resume checks of checkpoint.initial_load_path in one process.
 
-Faults are injected by scripts/fault_train.py (titan_muon.train plus one fault chosen by an
+Faults are injected by scripts/fault_train.py (titan_muon.torchtitan.train plus one fault chosen by an
 environment variable). Every launch has a timeout; runs use the tiny flavor and 12 steps,
 checkpoints every 3. Losses are compared bit for bit with one uninterrupted run: a resume
 restores every state (weights, optimizer, lr schedule, data position, RNG seed) and the
@@ -28,7 +28,7 @@ from titan_muon.torchtitan.checkpoint import CheckpointError, check_before_resum
 from titan_muon.torchtitan.launch import (
     REPO_ROOT, child_pids, finish, is_running, read_losses, start, stop, torchrun_command, wait_for_log,
 )  # fmt: skip
-from titan_muon.train import check_restarts_can_rendezvous
+from titan_muon.torchtitan.train import check_restarts_can_rendezvous
 
 MUON = "train_configs/llama3_gqa_muon.toml"
 FAULT_TRAIN = ("scripts/fault_train.py",)
@@ -50,7 +50,7 @@ def tiny(workdir: Path, dump: str, *extra: str) -> list[str]:
 
 def launch(workdir: Path, dump: str, *extra: str, fault: dict[str, str] | None = None, max_restarts: int = 0):
     """Run to the end (or failure) with a log file; returns (exit status, log text)."""
-    entry = FAULT_TRAIN if fault else ("-m", "titan_muon.train")
+    entry = FAULT_TRAIN if fault else ("-m", "titan_muon.torchtitan.train")
     command = torchrun_command(MUON, tiny(workdir, dump, *extra), max_restarts=max_restarts, entry=entry)
     log_file = str(workdir / f"{dump}.log")
     result = finish(start(command, env=fault, log_file=log_file), timeout=RUN_TIMEOUT)

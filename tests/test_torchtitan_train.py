@@ -1,4 +1,4 @@
-"""titan_muon.train under torchrun on CPU/gloo: tiny models, a few steps each.
+"""titan_muon.torchtitan.train under torchrun on CPU/gloo: tiny models, a few steps each.
 
 Every launch goes through a subprocess with a timeout, so a hang fails the test. One
 2-rank reference run (8 steps, checkpoint at step 4) is shared by most tests.

@@ -1,4 +1,4 @@
-"""Start ``titan_muon.train`` under torchrun and read back what it logged.
+"""Start ``titan_muon.torchtitan.train`` under torchrun and read back what it logged.
 
 Used by the tests and by scripts/compare_optimizers.py. Every launch has a timeout, so a
 hung collective fails the caller instead of blocking it.
@@ -25,7 +25,7 @@ def torchrun_command(
     nproc: int = 2,
     rdzv: list[str] | None = None,
     max_restarts: int = 0,
-    entry: tuple[str, ...] = ("-m", "titan_muon.train"),
+    entry: tuple[str, ...] = ("-m", "titan_muon.torchtitan.train"),
 ) -> list[str]:
     """``entry``: the module (``-m name``) or script (path) torchrun runs on every rank."""
     rendezvous = rdzv if rdzv is not None else ["--standalone"]

@@ -10,7 +10,7 @@ that clipping and logging see, are then N times too large.
 :class:`PipelineLoss` is the loss the schedule calls: its value is torchtitan's sum,
 unchanged (so the reported training and validation losses are torchtitan's own), and the
 gradient flowing back from it is divided by N, as ``(loss_sum / N).backward()`` divides
-it. ``titan_muon.train.Trainer`` sets N before every forward/backward.
+it. ``titan_muon.torchtitan.train.Trainer`` sets N before every forward/backward.
 """
 
 from collections.abc import Callable
@@ -32,7 +32,7 @@ class PipelineLoss:
             if self.global_valid_tokens is None:
                 raise RuntimeError(
                     "PipelineLoss: the step's global valid-token count was not set; pipeline parallel "
-                    "training must run through titan_muon.train.Trainer"
+                    "training must run through titan_muon.torchtitan.train.Trainer"
                 )
             divisor = self.global_valid_tokens
             # The root of the schedule's backward: its incoming gradient is 1, and 1 / N is
