@@ -85,7 +85,21 @@ def _entry(rank: int, world_size: int, port: int, fn, args, out_dir: str, timeou
         Path(out_dir, f"error{rank}.txt").write_text(traceback.format_exc())
     finally:
         if dist.is_initialized():
+            _keep_store_until_all_finished(rank, world_size, deadline=time.monotonic() + max(1.0, timeout - 10))
             dist.destroy_process_group()
+
+
+def _keep_store_until_all_finished(rank: int, world_size: int, deadline: float) -> None:
+    """Rank 0 hosts the TCPStore: if it exits while other ranks still create process groups (pipeline
+    stages finish at different times), they fail with "Broken pipe". Rank 0 waits until every rank
+    has got here (or the run's deadline), without a collective, so a failed rank cannot hang it."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.add("ranks_finished", 1)
+        while rank == 0 and store.add("ranks_finished", 0) < world_size and time.monotonic() < deadline:
+            time.sleep(0.05)
+    except (RuntimeError, dist.DistError):  # the store is gone already: nothing left to keep alive
+        pass
 
 
 def run_distributed(fn, world_size: int, *args, timeout: float = 300.0) -> list:
