@@ -2,8 +2,8 @@
 
 Default (CPU): torchtitan's llama3 ``debugmodel`` (dim 256, 6 layers, 16 heads of 16), one
 thread, ``time.process_time``, best of N interleaved runs of: hooks off, hooks on. Also one
-``block_max_logits`` call per block budget for (1, 16, 1024, 16), against SDPA, to check that
-the CPU default block budget is still the fastest.
+``block_max_logits`` call per block budget for (1, 16, 2048, 64), against SDPA (budgets at or
+above the 16 MiB of q + k are capped there).
 
 ``--long``: one attention layer at sequence length ``--seq`` (default 8192) with the q, k, v of
 Llama-3-8B (batch 1, 32 query heads, 8 KV heads of 128) or DeepSeek-V3 MLA (``--shape
@@ -84,12 +84,12 @@ def model_costs(repeats: int) -> None:
 
 def block_costs(repeats: int) -> None:
     g = torch.Generator().manual_seed(0)
-    q, k = torch.randn(1, 16, 1024, 16, generator=g), torch.randn(1, 16, 1024, 16, generator=g)
-    label = {b: f"{b >> 10} KiB" + (" (CPU default)" if b == CPU_BLOCK_BYTES else "") for b in BLOCK_BYTES}
+    q, k = torch.randn(1, 16, 2048, 64, generator=g), torch.randn(1, 16, 2048, 64, generator=g)  # q + k: 16 MiB
+    label = {b: f"{b >> 10} KiB, {block_rows(q, k, b)} rows" + (" (CPU default)" if b == CPU_BLOCK_BYTES else "") for b in BLOCK_BYTES}
     fns = {label[b]: (lambda b=b: block_max_logits(q, k, block_bytes=b)) for b in BLOCK_BYTES}
     fns["SDPA"] = lambda: torch.nn.functional.scaled_dot_product_attention(q, k, k, is_causal=True)
     best = best_interleaved(fns, repeats)
-    print("\nblock_max_logits (1, 16, 1024, 16), per block budget: " + ", ".join(f"{name} {ms:.1f} ms" for name, ms in best.items()))
+    print("\nblock_max_logits (1, 16, 2048, 64), per block budget: " + ", ".join(f"{name} {ms:.1f} ms" for name, ms in best.items()))
 
 
 SHAPES_LONG = {  # (query heads, KV heads, q/k head dim, v head dim; MLA: rope dims of the shared k_rope)
