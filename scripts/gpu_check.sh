@@ -2,7 +2,10 @@
 # GPU checks, for a machine with a CUDA GPU (see docs/performance.md, "GPU"):
 #   1. the CUDA tests (one-rank NCCL, host syncs counted on the real device) and the meta suite;
 #   2. scripts/bench_gpu.py: bf16 Newton-Schulz against torch.mm, Muon's step against AdamW's;
-#   3. a 1-GPU torchtitan llama3 debug run, Muon against AdamW (loss and step time).
+#   3. scripts/measure_qk_clip_recording.py --long: MuonClip's max-logit recording against the
+#      SDPA forward at sequence length 8192 (time, peak extra memory), Llama-3-8B and DeepSeek-V3
+#      layers (docs/muonclip.md, "Memory and time at sequence length 8192");
+#   4. a 1-GPU torchtitan llama3 debug run, Muon against AdamW (loss and step time).
 # Without a GPU it says so and exits 0.
 #
 #   bash scripts/gpu_check.sh [OUT_DIR]      # default: gpu_check_out/
@@ -19,6 +22,9 @@ python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version
 
 python -m pytest -q tests/test_cuda.py tests/test_meta_device.py tests/test_clip_device.py 2>&1 | tee "$out/tests.txt"
 python scripts/bench_gpu.py | tee "$out/bench.md"
+for shape in llama3_8b deepseek_v3; do
+    python scripts/measure_qk_clip_recording.py --long --device cuda --shape "$shape" | tee -a "$out/qk_clip_recording.md"
+done
 
 for optimizer in muon adamw; do
     config=train_configs/llama3_gqa_${optimizer}.toml

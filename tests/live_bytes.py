@@ -10,6 +10,7 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+
 class LiveBytes(TorchDispatchMode):
     """Live bytes of the storages created inside the mode, and their peak (CPU tensors)."""
     def __init__(self, only_from: str | None = None):
@@ -35,3 +36,20 @@ class LiveBytes(TorchDispatchMode):
                     self._seen.add(key); n = s.nbytes(); self.live += n; self.peak = max(self.peak, self.live)
                     weakref.finalize(s, self._freed, key, n)
         return out
+
+
+def allocator_peak(fn):
+    """(peak bytes, largest single allocation, fn()) over every CPU allocation made while ``fn``
+    runs, as torch's profiler records them from the allocator: unlike :class:`LiveBytes` it
+    also sees what a kernel allocates for itself (an operand it copies, a GEMM's scratch)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = fn()
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU]
+    live = peak = largest = 0
+    for event in sorted(events, key=lambda e: e.start_ns()):
+        live += event.nbytes()
+        peak = max(peak, live)
+        largest = max(largest, event.nbytes())
+    return peak, largest, result

@@ -16,7 +16,7 @@ from torchtitan.models.deepseek_v3.model.model import DeepSeekV3Model
 from torchtitan.models.llama3.model.args import TransformerModelArgs
 from torchtitan.models.llama3.model.model import Transformer
 
-from titan_muon.attention_logits import MaxLogitRecorder, block_max_logits
+from titan_muon.attention_logits import MaxLogitRecorder, block_max_logits, block_rows
 from titan_muon.clip import QKClip, apply_qk_clip, build_qk_clips, find_attention_layers
 
 VOCAB, SEQ = 64, 12
@@ -108,7 +108,7 @@ class Capture:
 
 
 @pytest.mark.parametrize("kind", sorted(MODELS))
-@pytest.mark.parametrize("block_bytes", [37 * 4, 1 << 26])  # one query row a block; all rows in one block
+@pytest.mark.parametrize("block_bytes", [37 * 4, 1 << 26])  # one query row a block; all rows in one block (capped at q + k bytes)
 def test_recorded_max_equals_brute_force(kind, block_bytes):
     model = MODELS[kind]()
     recorder = MaxLogitRecorder.attach(model, block_bytes=block_bytes)
@@ -150,7 +150,9 @@ def test_block_max_equals_the_dense_max(rows_per_block, causal):
     g = torch.Generator().manual_seed(4)
     q, k = torch.randn(2, 6, 12, 4, generator=g), torch.randn(2, 2, 12, 4, generator=g)
     q = q.transpose(1, 2).contiguous().transpose(1, 2)  # torchtitan's (B, L, H, D) memory order
-    got = block_max_logits(q, k, 0.7, is_causal=causal, block_bytes=2 * 6 * 12 * 4 * rows_per_block)
+    block_bytes = 2 * 12 * 4 * rows_per_block if rows_per_block < 12 else 1 << 30  # fp32 logits of 2 KV heads × 12 keys a row
+    assert block_rows(q, k, block_bytes) == rows_per_block
+    got = block_max_logits(q, k, 0.7, is_causal=causal, block_bytes=block_bytes)
     full = 0.7 * q.double() @ k.double().repeat_interleave(3, dim=1).transpose(-1, -2)
     if causal:
         full = full.masked_fill(torch.ones(12, 12, dtype=torch.bool).triu(1), -math.inf)
@@ -169,7 +171,8 @@ def test_recording_needs_no_full_logit_matrix():
     q, k = torch.randn(2, 4, 256, 8), torch.randn(2, 4, 256, 8)
     expected = block_max_logits(q, k, block_bytes=1 << 32)
     # 16 query rows a block; the same fp32 dot products of 8 terms, maybe blocked otherwise by the GEMM
-    torch.testing.assert_close(block_max_logits(q, k, block_bytes=2 * 4 * 256 * 16 * 4), expected)
+    assert block_rows(q, k, 4 * 256 * 4 * 16) == 16
+    torch.testing.assert_close(block_max_logits(q, k, block_bytes=4 * 256 * 4 * 16), expected)
 
 
 # ---------------------------------------------------------------- clipping

@@ -70,3 +70,36 @@ def test_cuda_bf16_newton_schulz_stays_close(nccl_world):
         change = (expected[name] - initial[name]).abs().max()
         # bf16 NS (8-bit mantissa) moves each update by a few 2^-8 of its size.
         assert (ours[name] - expected[name]).abs().max() <= 0.05 * change, name
+
+
+def test_cuda_recording_reads_q_and_k_in_place():
+    """Max-logit recording on CUDA (not run without a GPU so far): cuBLAS's strided batched GEMM
+    reads torchtitan's (B, L, H, D) views of q and k in place, so the peak extra memory is the
+    logits buffer (within the 64 MiB budget) plus small terms, and the maxima equal a dense bf16
+    reference within one bf16 ulp (fp32 accumulation in both, one rounding to bf16)."""
+    from titan_muon.attention_logits import (
+        ACCELERATOR_BLOCK_BYTES,
+        block_max_logits,
+        block_rows,
+    )
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    seq, q_heads, kv_heads, dim = 4096, 32, 8, 128  # a Llama-3-8B layer
+    q = torch.randn(1, seq, q_heads, dim, device="cuda", dtype=torch.bfloat16, generator=g).transpose(1, 2)
+    k = torch.randn(1, seq, kv_heads, dim, device="cuda", dtype=torch.bfloat16, generator=g).transpose(1, 2)
+    block_max_logits(q, k)  # warm-up: cuBLAS workspace
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    got = block_max_logits(q, k)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - before
+    rows = block_rows(q, k)
+    logits = kv_heads * rows * seq * 2
+    assert logits <= ACCELERATOR_BLOCK_BYTES
+    # + the (rows, rows) diagonal mask, the per-block maxima, scalars (each rounded up to 512 B)
+    assert extra <= logits + rows * rows + (1 << 20), (extra, logits)
+    dense = q @ k.repeat_interleave(q_heads // kv_heads, dim=1).transpose(-1, -2)
+    dense.masked_fill_(torch.ones(seq, seq, dtype=torch.bool, device="cuda").triu(1), float("-inf"))
+    expected = dense.amax(dim=(0, 2, 3)).float() * dim**-0.5
+    torch.testing.assert_close(got, expected, rtol=2.0**-7, atol=0)

@@ -5,9 +5,11 @@ TorchTitan's attention modules hand q, k, v to ``attention.inner_attention`` as
 softmax scale as a keyword (``scale=None`` means 1/sqrt(head_dim)). A forward pre-hook there
 sees exactly what softmax sees, so nothing in torchtitan has to be forked.
 
-The hook keeps a running max over every forward of a step (micro-batches, activation
-recompute: max is idempotent) without building a (B, H, L, L) tensor: it walks query blocks
-whose logits fit a byte budget (:func:`default_block_bytes`), one batched matmul per block.
+The hook keeps a running max over every training forward of a step (micro-batches; activation
+checkpointing's recompute is skipped: it repeats a recorded forward) without building a
+(B, H, L, L) tensor or copying q or k: it walks query blocks whose logits fit a byte budget
+(:func:`block_budget`), one batched matmul of strided views per block, sequence and position
+in a GQA group.
 Under tensor parallelism a rank sees only its heads; they go to their global head slots,
 found from the global rows of the query projection it holds.
 """
@@ -28,13 +30,44 @@ from titan_muon.fused_qkv import fused_qkv_layout, projection_owner
 from titan_muon.layout import local_block
 
 CPU_BLOCK_BYTES = 4 << 20
-"""Logits per query block on CPU: 4 MiB (2^20 fp32 logits), the fastest size measured (docs/muonclip.md)."""
-ACCELERATOR_BLOCK_BYTES = 1 << 30
-"""Elsewhere (CUDA, other accelerators, meta): 1 GiB, so a layer at sequence length 8192 takes a few blocks."""
+"""Logits at once on CPU: 4 MiB (2^20 fp32 logits), the fastest size measured (docs/muonclip.md)."""
+ACCELERATOR_BLOCK_BYTES = 64 << 20
+"""Elsewhere (CUDA, other accelerators, meta): 64 MiB. Llama-3-8B at sequence length 8192 (8 KV
+heads, bf16): 512 query rows a matmul, each matmul ~8.6 GFLOP, far above a kernel launch,
+while one layer's activations there are well over 1 GiB (docs/muonclip.md)."""
 
 
 def default_block_bytes(device: torch.device | str) -> int:
     return CPU_BLOCK_BYTES if torch.device(device).type == "cpu" else ACCELERATOR_BLOCK_BYTES
+
+
+def block_budget(q: Tensor, k: Tensor, block_bytes: int | None = None) -> int:
+    """Bytes of logits (and masks) one block may materialize: ``block_bytes`` (default
+    :func:`default_block_bytes`), and never more than the bytes of ``q`` and ``k`` themselves."""
+    cap = default_block_bytes(q.device) if block_bytes is None else int(block_bytes)
+    return min(cap, q.numel() * q.element_size() + k.numel() * k.element_size())
+
+
+def block_rows(q: Tensor, k: Tensor, block_bytes: int | None = None, *, masked: bool = False) -> int:
+    """Query rows per block: one block materializes (KV heads, rows, keys) logits, plus with a
+    ``mask_mod`` (``masked``) two bool grids of that shape; at least one row. Under the causal
+    mask the (rows, rows) bool diagonal mask is kept to at most 1/16 of the budget."""
+    budget = block_budget(q, k, block_bytes)
+    kv_heads, q_len, kv_len = k.shape[1], q.shape[2], k.shape[2]
+    per_row = kv_heads * max(1, kv_len) * (q.element_size() + (2 if masked else 0))
+    rows = min(q_len, budget // per_row, math.isqrt(budget // 16))
+    return max(1, rows)
+
+
+def in_backward() -> bool:
+    """True while autograd's engine runs a backward on this thread, where a module's forward
+    can only be activation checkpointing's recompute (``torch.utils.checkpoint`` re-runs the
+    forward inside the backward's graph task with ``use_reentrant`` True and False alike).
+    Under ``torch.compile`` the recompute is part of the compiled backward and never re-runs
+    Python hooks, so a traced forward is never one."""
+    if torch.compiler.is_compiling():
+        return False
+    return torch._C._current_graph_task_id() != -1
 
 
 def block_max_logits(
@@ -49,10 +82,13 @@ def block_max_logits(
     """Max over batch, queries and unmasked keys of ``scale * q·k`` for every query head, in fp32.
 
     q: (B, Hq, Lq, D); k: (B, Hk, Lk, D) with Hq a multiple of Hk (grouped-query attention:
-    K head g serves Q heads g*Hq/Hk ... (g+1)*Hq/Hk - 1, as SDPA's ``enable_gqa``).
+    K head g serves Q heads g*Hq/Hk ... (g+1)*Hq/Hk - 1, as SDPA's ``enable_gqa``), any strides.
     ``mask_mod(b, h, q_idx, kv_idx) -> bool`` (FlexAttention's convention: True = attend)
     replaces the causal mask when given. A head whose every logit is masked reports -inf.
-    A query block holds at most ``block_bytes`` of logits (default: :func:`default_block_bytes`).
+
+    Neither q nor k is copied: for every sequence b and every position r of a Q head in its
+    group, one batched matmul over the K heads multiplies strided views of a block of queries
+    and of the keys. A block's logits are at most :func:`block_budget` bytes (:func:`block_rows`).
     """
     batch, q_heads, q_len, dim = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
@@ -63,30 +99,42 @@ def block_max_logits(
         raise ValueError(f"max-logit recording: causal attention with {q_len} queries but {kv_len} keys is not supported")
     scale = 1.0 / math.sqrt(dim) if scale is None else float(scale)
     rep = q_heads // kv_heads
-    budget = default_block_bytes(q.device) if block_bytes is None else int(block_bytes)
-    block = max(1, min(q_len, budget // max(1, batch * q_heads * kv_len * q.element_size())))
+    block = block_rows(q, k, block_bytes, masked=mask_mod is not None)
 
-    # Queries as (B*Hk, Lq, rep, D): a block of query positions is one contiguous slice, and all
-    # the Q heads sharing a K head multiply it in one batched matmul (K is never repeated).
-    queries = q.detach().reshape(batch, kv_heads, rep, q_len, dim).transpose(2, 3).reshape(batch * kv_heads, q_len, rep, dim).contiguous()
-    keys_t = k.detach().reshape(batch * kv_heads, kv_len, dim).transpose(1, 2)  # (B*Hk, D, Lk)
-    upper = torch.ones(block, block, dtype=torch.bool, device=q.device).triu(1)[:, None, :] if causal else None  # (i, rep, j): j > i
-    best = torch.full((kv_heads, rep), -math.inf, dtype=q.dtype, device=q.device)
-    for start in range(0, q_len, block):
+    # Views only: Q head g*rep + r is queries[:, g, r]; (Hk, rows, D) @ (Hk, D, keys) per (b, r).
+    queries = q.detach().unflatten(1, (kv_heads, rep))  # (B, Hk, rep, Lq, D)
+    keys_t = k.detach().transpose(2, 3)  # (B, Hk, D, Lk)
+    # One logits buffer for the whole call: a block's (Hk, rows, keys) logits are a view of it.
+    buffer = torch.empty(kv_heads * block * kv_len, dtype=q.dtype, device=q.device)
+    per_head = _per_head_matmul(q)
+    zero = torch.zeros((), dtype=q.dtype, device=q.device) if per_head else None
+    upper = torch.ones(block, block, dtype=torch.bool, device=q.device).triu_(1) if causal else None  # j > i
+    blocks = range(0, q_len, block)
+    # Every (block, b, r) writes its (Hk,) maxima into its own row: one kernel, one max at the end.
+    maxima = torch.full((max(1, len(blocks)), batch, rep, kv_heads), -math.inf, dtype=q.dtype, device=q.device)
+    for index, start in enumerate(blocks):
         end = min(q_len, start + block)
         rows = end - start
         # Causal: keys after the block are never computed; only the diagonal square needs a mask.
         keys_end = end if causal else kv_len
-        logits = torch.bmm(queries[:, start:end].reshape(-1, rows * rep, dim), keys_t[..., :keys_end])
-        logits = logits.view(batch, kv_heads, rows, rep, keys_end)
-        if causal:
-            logits[..., start:end].masked_fill_(upper[:rows, :, :rows], -math.inf)
-        elif mask_mod is not None:
-            logits.masked_fill_(~_allowed(mask_mod, batch, kv_heads, rep, start, end, kv_len, q.device), -math.inf)
-        best = torch.maximum(best, logits.amax(dim=(0, 2, 4)))
+        logits = buffer[: kv_heads * rows * keys_end].view(kv_heads, rows, keys_end)
+        for b in range(batch):
+            keys = keys_t[b, :, :, :keys_end]
+            for r in range(rep):
+                block_queries = queries[b, :, r, start:end]
+                if per_head:
+                    for g in range(kv_heads):
+                        torch.addmm(zero, block_queries[g], keys[g], beta=0, out=logits[g])
+                else:
+                    torch.bmm(block_queries, keys, out=logits)
+                if causal:
+                    logits[..., start:end].masked_fill_(upper[:rows, :rows], -math.inf)
+                elif mask_mod is not None:
+                    logits.masked_fill_(~_allowed(mask_mod, b, kv_heads, rep, r, start, end, kv_len, q.device), -math.inf)
+                torch.amax(logits, dim=(1, 2), out=maxima[index, b, r])
     # max is exact in any dtype: take it in the activations' dtype, widen only the result; and
     # multiply after the max (the scale is positive): one fewer pass over the block.
-    return (best.float() * scale).reshape(q_heads)
+    return (maxima.amax(dim=(0, 1)).float() * scale).transpose(0, 1).reshape(q_heads)
 
 
 def _takes_sequence_major_inputs(inner_attention: nn.Module) -> bool:
@@ -98,12 +146,19 @@ def _takes_sequence_major_inputs(inner_attention: nn.Module) -> bool:
     return first.endswith("BLNH")
 
 
-def _allowed(mask_mod, batch, kv_heads, rep, start, end, kv_len, device) -> Tensor:
-    """mask_mod on index grids broadcast to the (B, Hk, rows, rep, Lk) block."""
-    b = torch.arange(batch, device=device).view(batch, 1, 1, 1, 1)
-    h = torch.arange(kv_heads * rep, device=device).view(1, kv_heads, 1, rep, 1)
-    q_idx = torch.arange(start, end, device=device).view(1, 1, -1, 1, 1)
-    kv_idx = torch.arange(kv_len, device=device).view(1, 1, 1, 1, -1)
+def _per_head_matmul(q: Tensor) -> bool:
+    """On CPU, oneDNN's batched bf16/fp16 matmul copies strided operands (measured: the key block
+    of every call, and 7x slower than per-head); its 2-D GEMM reads them in place. fp32/fp64
+    batched matmuls (MKL), and CUDA's strided batched GEMM, read any unit-stride view in place."""
+    return q.device.type == "cpu" and q.dtype not in (torch.float32, torch.float64)
+
+
+def _allowed(mask_mod, b, kv_heads, rep, r, start, end, kv_len, device) -> Tensor:
+    """mask_mod on index grids broadcast to the (Hk, rows, Lk) block of sequence b, group position r."""
+    b = torch.full((1, 1, 1), b, device=device)
+    h = (torch.arange(kv_heads, device=device) * rep + r).view(-1, 1, 1)
+    q_idx = torch.arange(start, end, device=device).view(1, -1, 1)
+    kv_idx = torch.arange(kv_len, device=device).view(1, 1, -1)
     return mask_mod(b, h, q_idx, kv_idx)
 
 
@@ -192,7 +247,7 @@ class MaxLogitRecorder:
             self._handles.append(layer.inner_attention.register_forward_pre_hook(hook, with_kwargs=True))
 
     @classmethod
-    def attach(cls, model: nn.Module, block_bytes: int | None = None) -> "MaxLogitRecorder":
+    def attach(cls, model: nn.Module, block_bytes: int | None = None) -> MaxLogitRecorder:
         from titan_muon.clip import find_attention_layers
 
         return cls([layer.module for layer in find_attention_layers(model)], block_bytes)
@@ -218,7 +273,9 @@ class MaxLogitRecorder:
         attention = self.layers[index]
 
         def hook(module, args, kwargs):
-            if self.enabled and module.training:  # evaluation forwards are not part of the step
+            # Evaluation forwards are not part of the step; activation recompute repeats a forward
+            # already recorded (recording it again would double the cost, not change the max).
+            if self.enabled and module.training and not in_backward():
                 q = args[0] if args else kwargs["q"]
                 k = args[1] if len(args) > 1 else kwargs["k"]
                 if isinstance(q, DTensor):  # heads sharded as a DTensor (dim 1): its placement says which
@@ -237,7 +294,6 @@ class MaxLogitRecorder:
                         block_bytes=self.block_bytes,
                     )
                     self._update(index, first_head, observed)
-            return None
 
         return hook
 

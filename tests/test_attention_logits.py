@@ -1,0 +1,250 @@
+"""block_max_logits against a dense reference, its memory bound, and activation recompute.
+
+* Exactness: the dense reference builds the full (B, Hq, L, L) logits in fp64 (K heads
+  repeated, explicit causal mask) from the same q, k, in the strides torchtitan hands over
+  (GQA, MQA, MHA, MLA's nope + rope concat), for lengths that no block size divides. The
+  tolerance is derived from fp32 accumulation; bf16 inputs are also checked against a bf16
+  dense reference (same GEMM rounding: fp32 accumulation, one rounding to bf16).
+* Memory: every CPU allocation made during the call, as torch's profiler records it from the
+  allocator (so a copy a kernel makes for itself is seen too): the peak is the logits buffer
+  (<= the budget) plus small derived terms, and no allocation comes near q or k.
+* Activation recompute (torch.utils.checkpoint in both modes, torchtitan's full AC and
+  per-op SAC) records each forward once and leaves gradients untouched.
+"""
+
+import math
+
+import pytest
+import torch
+from live_bytes import allocator_peak
+from test_clip import MODELS, tokens
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    CheckpointImpl,
+    checkpoint_wrapper,
+)
+from torchtitan.config.job_config import ActivationCheckpoint
+from torchtitan.distributed.activation_checkpoint import apply_ac
+from torchtitan.models.llama3.infra.parallelize import _op_sac_save_list
+
+from titan_muon import attention_logits
+from titan_muon.attention_logits import (
+    ACCELERATOR_BLOCK_BYTES,
+    CPU_BLOCK_BYTES,
+    MaxLogitRecorder,
+    block_budget,
+    block_max_logits,
+    block_rows,
+    default_block_bytes,
+    in_backward,
+)
+
+U32 = 2.0**-24  # fp32 unit roundoff
+U16 = 2.0**-8  # bf16 unit roundoff (8 significant bits)
+
+
+def attention_inputs(kind, batch, length, dtype=torch.float32, seed=0):
+    """q, k as torchtitan's attention modules hand them to inner_attention: (B, L, H, D) memory
+    transposed to (B, H, L, D); MLA: q = [q_nope, q_rope], k = [k_nope, shared k_rope expanded]."""
+    g = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    if kind == "mla":  # 4 heads of 24 + 8 (DeepSeek-V3: 128 + 64)
+        heads, nope, rope = 4, 24, 8
+        q = torch.cat([randn(batch, length, heads, nope), randn(batch, length, heads, rope)], dim=-1)
+        k = torch.cat([randn(batch, length, heads, nope), randn(batch, length, 1, rope).expand(-1, -1, heads, -1)], dim=-1)
+        return q.transpose(1, 2), k.transpose(1, 2)
+    q_heads, kv_heads, dim = {"gqa": (6, 2, 16), "mqa": (4, 1, 8), "mha": (3, 3, 12)}[kind]
+    return randn(batch, length, q_heads, dim).transpose(1, 2), randn(batch, length, kv_heads, dim).transpose(1, 2)
+
+
+def dense_max(q, k, scale, causal, dtype=torch.float64):
+    """Per-Q-head max of the full masked logits, computed in ``dtype``; and for the error bound,
+    the largest sum of |q_d k_d| over the unmasked pairs of each head."""
+    rep = q.shape[1] // k.shape[1]
+    q, k = q.to(dtype), k.to(dtype).repeat_interleave(rep, dim=1)
+    logits = q @ k.transpose(-1, -2)
+    magnitude = q.double().abs() @ k.double().abs().transpose(-1, -2)
+    if causal:
+        upper = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool).triu(1)
+        logits, magnitude = logits.masked_fill(upper, -math.inf), magnitude.masked_fill(upper, 0)
+    return logits.amax(dim=(0, 2, 3)).double() * scale, magnitude.amax(dim=(0, 2, 3)) * scale
+
+
+def gamma(n, u):
+    return n * u / (1 - n * u)
+
+
+@pytest.mark.parametrize("kind", ["gqa", "mqa", "mha", "mla"])
+@pytest.mark.parametrize("length, rows", [(37, 1), (101, 7), (101, 16), (64, None)])  # None: as many as allowed
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("per_head", [False, True], ids=["batched", "per_head"])
+def test_fp32_equals_the_fp64_dense_max(kind, length, rows, causal, per_head, monkeypatch):
+    monkeypatch.setattr(attention_logits, "_per_head_matmul", lambda q: per_head)  # both matmul paths
+    q, k = attention_inputs(kind, 2, length)
+    block_bytes = 1 << 30 if rows is None else k.shape[1] * length * 4 * rows  # 1 GiB: capped at q + k bytes
+    if rows is not None:
+        assert block_rows(q, k, block_bytes) == rows  # blocks of `rows` queries: 101 = 14 * 7 + 3 = 6 * 16 + 5
+    got = block_max_logits(q, k, 0.3, is_causal=causal, block_bytes=block_bytes)
+    expected, magnitude = dense_max(q, k, 0.3, causal)
+    # fp32 dot products of D terms (any summation order): |error| <= gamma_D * sum |q_d k_d|;
+    # then the scale, rounded to fp32, times the fp32 max: two more roundings of the value.
+    bound = gamma(q.shape[-1], U32) * magnitude + 3 * U32 * expected.abs()
+    assert ((got.double() - expected).abs() <= bound).all(), (got, expected, bound)
+
+
+@pytest.mark.parametrize("kind", ["gqa", "mqa", "mla"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_bf16_equals_the_bf16_dense_max(kind, causal):
+    q, k = attention_inputs(kind, 2, 101, torch.bfloat16, seed=1)
+    block_bytes = k.shape[1] * 101 * 2 * 7  # 7 query rows a block
+    got = block_max_logits(q, k, 0.3, is_causal=causal, block_bytes=block_bytes)
+    # The dense reference computed the same way: bf16 matmul (fp32 accumulation, one rounding to
+    # bf16), max in bf16, widened, times the scale. The two fp32 accumulations of the same D
+    # exact products may differ in order by <= 2 gamma_D sum|q k|, far below one bf16 ulp, so the
+    # bf16 roundings differ by at most one ulp (<= 2^-7 |value|); bit-equal on the machines
+    # measured (docs/muonclip.md).
+    same_way = dense_max(q, k, 1.0, causal, dtype=torch.bfloat16)[0].float() * 0.3
+    torch.testing.assert_close(got, same_way, rtol=2.0**-7, atol=0)
+    # Against the exact (fp64) max S: each logit is its fp32 accumulation (off by <= gamma_D A,
+    # A = max sum|q k|) rounded to bf16; rounding is monotone, so the max of the rounded logits is
+    # the rounding of a value within gamma_D A of S: off by <= gamma_D A + 2^-8 (|S| + gamma_D A).
+    exact, magnitude = dense_max(q, k, 0.3, causal)
+    bound = gamma(q.shape[-1], U32) * magnitude * (1 + U16) + U16 * exact.abs() + 3 * U32 * exact.abs()
+    assert ((got.double() - exact).abs() <= bound * (1 + 1e-9)).all(), (got, exact, bound)
+
+
+def test_a_document_mask_mod_and_every_logit_masked():
+    q, k = attention_inputs("gqa", 2, 50, seed=2)
+    docs = torch.tensor([[0] * 20 + [1] * 30, [0] * 49 + [1]])
+
+    def document_causal(b, h, q_idx, kv_idx):
+        return (docs[b, q_idx] == docs[b, kv_idx]) & (q_idx >= kv_idx) & (h != 5)  # head 5 sees nothing
+
+    got = block_max_logits(q, k, 0.3, mask_mod=document_causal, block_bytes=2 * 50 * 6 * 7)  # 7 rows a block
+    rep = 3
+    full = 0.3 * q.double() @ k.double().repeat_interleave(rep, dim=1).transpose(-1, -2)
+    b, h, i, j = torch.meshgrid(torch.arange(2), torch.arange(6), torch.arange(50), torch.arange(50), indexing="ij")
+    expected = full.masked_fill(~document_causal(b, h, i, j), -math.inf).amax(dim=(0, 2, 3))
+    assert torch.isneginf(got[5])
+    torch.testing.assert_close(got.double(), expected, rtol=1e-6, atol=1e-6)  # 16-term fp32 dot products
+
+
+# ---------------------------------------------------------------- memory
+
+
+def test_block_budget():
+    q, k = torch.empty(1, 32, 8192, 128, dtype=torch.bfloat16), torch.empty(1, 8, 8192, 128, dtype=torch.bfloat16)
+    assert block_budget(q, k) == CPU_BLOCK_BYTES and block_rows(q, k) == CPU_BLOCK_BYTES // (8 * 8192 * 2) == 32
+    on_cuda = ACCELERATOR_BLOCK_BYTES // (8 * 8192 * 2)  # Llama-3-8B at 8192: 512 query rows a block
+    assert default_block_bytes("cuda") == ACCELERATOR_BLOCK_BYTES and on_cuda == 512
+    assert block_rows(q.to("meta"), k.to("meta")) == on_cuda
+    q, k = attention_inputs("gqa", 2, 600)
+    qk_bytes = (q.numel() + k.numel()) * 4
+    assert block_budget(q, k) == qk_bytes < CPU_BLOCK_BYTES
+    assert block_budget(q, k, 1 << 40) == qk_bytes  # never more than q and k themselves
+    assert block_rows(q, k, 1 << 16) == (1 << 16) // (2 * 600 * 4)  # (KV heads, rows, keys) fp32 logits
+    small_q, small_k = attention_inputs("mha", 1, 40)
+    assert block_budget(small_q, small_k) == (small_q.numel() + small_k.numel()) * 4
+    assert block_rows(small_q, small_k) == min(40, block_budget(small_q, small_k) // (3 * 40 * 4))
+    # The causal diagonal mask (rows^2 bools) stays within 1/16 of the budget: MQA, short keys.
+    q1, k1 = torch.empty(1, 4, 1000, 64), torch.empty(1, 1, 1000, 64)
+    assert (1 << 20) // (1 * 1000 * 4) == 262 and block_rows(q1, k1, 1 << 20) == math.isqrt((1 << 20) // 16) == 256
+
+
+def gemm_workspace(q, k, rows, per_head):
+    """What one of the call's matmuls allocates for itself beyond its output (oneDNN's bf16 GEMM
+    takes a scratchpad that grows with the rows; MKL's fp32 batched GEMM none): measured here on
+    the same shapes, since it is the library's and not the recorder's."""
+    out = torch.empty(k.shape[1], rows, k.shape[2], dtype=q.dtype)
+    block, keys = q[0, :: q.shape[1] // k.shape[1], :rows], k[0].transpose(1, 2)
+    if per_head:
+        zero = torch.zeros((), dtype=q.dtype)
+        return allocator_peak(lambda: torch.addmm(zero, block[0], keys[0], beta=0, out=out[0]))[0]
+    return allocator_peak(lambda: torch.bmm(block, keys, out=out))[0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["gqa", "mla"])
+@pytest.mark.parametrize("masking", ["causal", "none", "mask_mod"])
+def test_peak_memory_is_the_block_budget(dtype, kind, masking):
+    q, k = attention_inputs(kind, 2, 600, dtype)
+    q_bytes, k_bytes = q.numel() * q.element_size(), k.numel() * k.element_size()
+    budget = 32 << 10
+    mask_mod = (lambda b, h, q_idx, kv_idx: q_idx >= kv_idx) if masking == "mask_mod" else None
+    rows = block_rows(q, k, budget, masked=mask_mod is not None)
+    blocks = math.ceil(600 / rows)
+    assert blocks > 1 and budget < min(q_bytes, k_bytes) / 2
+
+    peak, largest, _ = allocator_peak(lambda: block_max_logits(q, k, is_causal=masking == "causal", mask_mod=mask_mod, block_bytes=budget))
+
+    logits = k.shape[1] * rows * 600 * q.element_size()
+    masks = 2 * k.shape[1] * rows * 600 if mask_mod is not None else 0  # the mask and its negation
+    diagonal = rows * rows if masking == "causal" else 0  # the (rows, rows) bool upper triangle
+    maxima = blocks * q.shape[0] * q.shape[1] * q.element_size()  # one max per (block, sequence, Q head)
+    assert logits + masks <= budget
+    per_head = dtype != torch.float32
+    slack = diagonal + maxima + gemm_workspace(q, k, rows, per_head) + 1024  # + a few scalars and (heads,) vectors
+    assert peak <= logits + masks + slack, (peak, logits, masks, slack)
+    assert largest <= max(logits, masks // 2) < min(q_bytes, k_bytes) / 2  # nothing the size of q or k
+
+
+# ---------------------------------------------------------------- activation recompute
+
+
+def checkpointed(kind, how):
+    model = MODELS[kind]()
+    if how in ("reentrant", "non_reentrant"):
+        impl = CheckpointImpl.REENTRANT if how == "reentrant" else CheckpointImpl.NO_REENTRANT
+        for name, layer in list(model.layers.named_children()):
+            model.layers.register_module(name, checkpoint_wrapper(layer, checkpoint_impl=impl))
+    else:  # torchtitan's own wrapping: full AC, or per-op SAC with llama3's save list
+        config = ActivationCheckpoint(mode="full") if how == "full" else ActivationCheckpoint(mode="selective", selective_ac_option="op")
+        apply_ac(model, config, op_sac_save_list=_op_sac_save_list)
+    return model
+
+
+@pytest.mark.parametrize("kind", ["gqa", "mla"])
+@pytest.mark.parametrize("how", ["reentrant", "non_reentrant", "full", "op"])
+def test_activation_recompute_records_once(kind, how, monkeypatch):
+    reference, model = MODELS[kind](), checkpointed(kind, how)  # same seed: same weights
+    recorders = {name: MaxLogitRecorder.attach(m) for name, m in (("reference", reference), ("checkpointed", model))}
+    calls = {"hook": 0, "recorded": 0}
+    record = attention_logits.block_max_logits
+
+    def counted(*args, **kwargs):
+        calls["recorded"] += 1
+        return record(*args, **kwargs)
+
+    monkeypatch.setattr(attention_logits, "block_max_logits", counted)
+    for layer in model.layers.values():
+        attention = layer.get_submodule("_checkpoint_wrapped_module.attention") if hasattr(layer, "_checkpoint_wrapped_module") else layer.attention
+        attention.inner_attention.register_forward_pre_hook(lambda *_: calls.__setitem__("hook", calls["hook"] + 1))
+
+    for micro_batch in range(2):
+        model(tokens(micro_batch)).float().logsumexp(-1).mean().backward()
+    layers = len(model.layers)
+    assert calls["hook"] == 2 * 2 * layers  # every attention ran twice per micro-batch: forward and recompute
+    assert calls["recorded"] == 2 * layers  # and was recorded once
+
+    for micro_batch in range(2):
+        reference(tokens(micro_batch)).float().logsumexp(-1).mean().backward()
+    assert torch.equal(recorders["checkpointed"].max_logits, recorders["reference"].max_logits)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-7, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_in_backward_only_inside_backward():
+    seen = []
+    x = torch.ones(2, requires_grad=True)
+
+    def fn(x):
+        seen.append(in_backward())
+        return x.exp()
+
+    assert not in_backward()
+    for reentrant in (True, False):
+        seen.clear()
+        torch.utils.checkpoint.checkpoint(fn, x, use_reentrant=reentrant).sum().backward()
+        assert seen == [False, True], reentrant
