@@ -7,13 +7,20 @@ from functools import cache
 from importlib.metadata import PackageNotFoundError, version
 
 
+def installed_torchtitan() -> str:
+    """The installed torchtitan's version string, or "none"."""
+    try:
+        return version("torchtitan")
+    except PackageNotFoundError:
+        return "none"
+
+
 @cache
 def torchtitan_version() -> tuple[int, int]:
     """(major, minor) of the installed torchtitan; (0, 0) when it is not installed or has no
     release number (a source checkout reports "0.0.0+unknown")."""
-    try:
-        text = version("torchtitan")
-    except PackageNotFoundError:
+    text = installed_torchtitan()
+    if text == "none":
         return (0, 0)
     parts = []
     for part in text.split(".")[:2]:

@@ -24,10 +24,18 @@ titan_muon.torchtitan.v030.trainer applies all of them; on a CUDA machine only t
 import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _set_pg_timeout
-from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention, VarlenAttention
+from torchtitan.models.common.attention import (
+    FlexAttention,
+    ScaledDotProductAttention,
+    VarlenAttention,
+)
 from torchtitan.tools.logging import logger
 
-from titan_muon.torchtitan.cpu import count_integers_on_cpu, force_sum_reductions, rebind_device  # noqa: F401
+from titan_muon.torchtitan.cpu import (  # noqa: F401
+    count_integers_on_cpu,
+    force_sum_reductions,
+    rebind_device,
+)
 
 # the torchtitan 0.3.0 modules that import device_type / device_module from torchtitan.tools.utils
 DEVICE_MODULES = (

@@ -22,8 +22,18 @@ from functools import partial
 
 import torch.nn as nn
 from torchtitan.models import deepseek_v3, llama3
-from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm, compute_ffn_hidden_dim
-from torchtitan.models.common.config_utils import get_attention_config, make_ffn_config, make_gqa_config
+from torchtitan.models.common import (
+    ComplexRoPE,
+    Embedding,
+    Linear,
+    RMSNorm,
+    compute_ffn_hidden_dim,
+)
+from torchtitan.models.common.config_utils import (
+    get_attention_config,
+    make_ffn_config,
+    make_gqa_config,
+)
 from torchtitan.models.common.param_init import depth_scaled_std
 from torchtitan.models.deepseek_v3 import DeepSeekV3Model, build_mla_moe_layers
 from torchtitan.models.llama3 import Llama3Model
@@ -159,7 +169,7 @@ def model_spec(name: str, flavor: str) -> ModelSpec:
     """torchtitan's ModelSpec of ``name`` (a family of :data:`FAMILIES`) with ``flavor``: ours
     or one of torchtitan's own."""
     if name not in FAMILIES:
-        raise ValueError(f"model name {name!r} is not supported with torchtitan 0.3.0; expected one of {sorted(FAMILIES)}")
+        raise ValueError(f"model name {name!r} with torchtitan 0.3.0: expected one of {sorted(FAMILIES)}")
     module, ours = FAMILIES[name]
     if flavor in ours:
         # torchtitan's spec for its debugmodel gives the callables; the model tree is ours
