@@ -65,9 +65,14 @@ CHECKPOINT_AT_RESUME_STEP = [
 ]  # fmt: skip
 
 
-def train(config: str, overrides: list[str], nproc: int = 2) -> str:
-    """Run to completion under torchrun; the log (rank 0), or an error with its tail."""
-    result = finish(start(torchrun_command(config, overrides, nproc, entry=ENTRY)), RUN_TIMEOUT)
+def train(config: str | None, overrides: list[str], nproc: int = 2) -> str:
+    """Run to completion under torchrun; the log (rank 0), or an error with its tail.
+    ``config``: a TOML file, or None when ``overrides`` hold ``--module`` / ``--config``."""
+    command = torchrun_command(config or "", overrides, nproc, entry=ENTRY)
+    if config is None:
+        at = command.index("--job.config_file")
+        del command[at : at + 2]
+    result = finish(start(command), RUN_TIMEOUT)
     if result.returncode != 0:
         raise RuntimeError(f"training failed (exit {result.returncode}):\n{log_tail(result)}")
     return result.stdout + result.stderr
@@ -187,3 +192,18 @@ def test_moe_experts_are_all_muon_parameters(workdir):
     assert all(row[0] == "AdamW" for row in rows if "router" in row[-1]), rows
     losses = read_losses(str(workdir / "moe"))
     assert sorted(losses) == [1, 2, 3]
+
+
+def test_stock_recipe_trains_with_the_muon_override(workdir):
+    """torchtitan's own llama3_debugmodel recipe, its optimizer replaced by one --override.imports flag
+    (and pointed at the offline data and tokenizer, as the recipe's test assets are not installed)."""
+    log = train(None, [
+        "--module", "llama3", "--config", "llama3_debugmodel",
+        "--override.imports", "titan_muon.torchtitan.v030.optimizer.muon",
+        "--dataloader.dataset", "python_stdlib", "--hf_assets_path", str(workdir / "tokenizer"),
+        "--training.seq_len", "64", "--training.local_batch_size", "2", "--training.steps", "2",
+        "--dump_folder", str(workdir / "stock"), "--metrics.disable_color_printing",
+    ])  # fmt: skip
+    assert "[Override] titan_muon.torchtitan.v030.optimizer.muon: optimizer" in log
+    assert re.search(r"Muon\s+hidden matrix\s+768x256\s+6\s+layers\.\*\.attention\.qkv_linear\.wqkv\.weight", log)
+    assert "step:  2  loss:" in log

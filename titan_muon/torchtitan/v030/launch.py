@@ -27,8 +27,10 @@ Command-line overrides use the same 0.2.2 names (``--model.flavor tiny_gqa``,
 parser (tyro) with the built config as default, so 0.3.0's own flags work too.
 
 With ``--module`` / ``--config`` the config function is loaded by torchtitan's ConfigManager as in
-``python -m torchtitan.train``. Either way the run is torchtitan's (build, train, close), with
-titan_muon.torchtitan.v030.cpu's shims when the config builds a MuonTrainer.
+``python -m torchtitan.train``: ours (titan_muon.torchtitan.v030.config_registry) or any stock recipe,
+whose plain ``Trainer.Config`` is turned into a ``MuonTrainer.Config`` (the same fields), so it gets
+the CPU shims too; add ``--override.imports titan_muon.torchtitan.v030.optimizer.muon`` for Muon.
+Either way the run is torchtitan's (build, train or seed checkpoint, close).
 """
 
 import os
@@ -48,6 +50,7 @@ from titan_muon.torchtitan.config import validate_optimizer_config
 from titan_muon.torchtitan.v030 import cpu
 from titan_muon.torchtitan.v030.config_registry import trainer_config
 from titan_muon.torchtitan.v030.optimizer import MuonOptimizersContainer
+from titan_muon.torchtitan.v030.trainer import as_muon_trainer
 
 # 0.2.2 key -> attribute path in 0.3.0's Trainer.Config
 RENAMED = {
@@ -215,7 +218,7 @@ def main(argv: list[str] | None = None) -> None:
     """Build the config from ``argv`` (default ``sys.argv[1:]``) and run torchtitan 0.3.0's trainer."""
     init_logger()
     cpu.add_set_timeout()
-    config = parse(sys.argv[1:] if argv is None else argv)
+    config = as_muon_trainer(parse(sys.argv[1:] if argv is None else argv))  # a stock recipe gets the shims too
     trainer = None
     try:
         trainer = config.build()

@@ -8,7 +8,7 @@ titan_muon.torchtitan.v030.config_registry and the TOML launcher return this Con
 own ``python -m torchtitan.train --module titan_muon.torchtitan.v030 --config ...`` runs it too.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from torchtitan.trainer import Trainer
 
@@ -44,3 +44,11 @@ class MuonTrainer(Trainer):
         super().__init__(config)
         if cpu.should_use_cpu():
             cpu.force_sum_reductions(self.model_parts)
+
+
+def as_muon_trainer(config: Trainer.Config) -> MuonTrainer.Config:
+    """``config`` (any recipe's ``Trainer.Config``) as a ``MuonTrainer.Config``: the same fields,
+    building the trainer that applies the CPU shims. A Config of another Trainer subclass is kept."""
+    if type(config) is not Trainer.Config:
+        return config
+    return MuonTrainer.Config(**{f.name: getattr(config, f.name) for f in fields(config) if f.init})
