@@ -65,9 +65,11 @@ def _debug_run(config: MuonTrainer.Config, dump_folder: str) -> MuonTrainer.Conf
     [checkpoint] sections shared by the files in train_configs/."""
     config.dump_folder = dump_folder
     config.lr_scheduler = LRSchedulersContainer.Config(warmup_steps=20)
+    # CUDA graphs of forward + backward cannot hold Muon's backward overlap (MuonTrainer refuses the pair)
+    overlap = getattr(config.optimizer, "overlap", False)
     config.training = TrainingConfig(
         local_batch_size=4, seq_len=256, steps=300, max_norm=1.0, mixed_precision_param="float32",
-        disable_cuda_graphs=config.training.disable_cuda_graphs,
+        disable_cuda_graphs=config.training.disable_cuda_graphs or overlap,
     )  # fmt: skip
     config.metrics.log_freq = 10
     config.metrics.enable_tensorboard = True

@@ -19,6 +19,8 @@ config format serves both torchtitan versions:
   ``[parallelism]``, ``[debug]``, ``[comm]``, ``[compile]`` have the same names in 0.3.0;
 * ``[job] description / custom_config_module`` and ``[experimental] custom_import`` are 0.2.2
   plumbing and are ignored. Any other key is an error naming it.
+* CUDA graphs (new in 0.3.0, which captures forward + backward) are off, as 0.2.2 had none;
+  ``--training.no-disable_cuda_graphs`` turns them on (not with ``optimizer.overlap``).
 
 Command-line overrides use the same 0.2.2 names (``--model.flavor tiny_gqa``,
 ``--job.dump_folder DIR``, ``--optimizer.ns_steps 3``, ``--optimizer.no-overlap``,
@@ -169,6 +171,8 @@ def config_from_toml(path: str, argv: list[str]) -> tuple[Any, list[str]]:
     if mode not in ACTIVATION_CHECKPOINTS:
         raise ValueError(f"[activation_checkpoint] mode must be one of {sorted(ACTIVATION_CHECKPOINTS)}, got {mode!r}")
     config.activation_checkpoint = ACTIVATION_CHECKPOINTS[mode]()
+    # as with 0.2.2, which has none: no CUDA graph of forward + backward (--training.no-disable_cuda_graphs)
+    config.training.disable_cuda_graphs = True
     for section, values in sections.items():
         if section == "optimizer":
             continue
