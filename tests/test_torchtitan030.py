@@ -4,7 +4,7 @@ Runs only where torchtitan 0.3 is installed (skipped otherwise, with the reason)
 docs/torchtitan.md, "torchtitan 0.3.0", for the environment and the command:
 
     python -m venv --system-site-packages /work/venv030
-    /work/venv030/bin/pip install torchtitan==0.3.0 spmd_types==0.2.3 torch_checkpointing safetensors --no-deps
+    /work/venv030/bin/pip install torchtitan==0.3.0 spmd_types==0.2.3 torch_checkpointing==0.1.1 safetensors==0.8.0 --no-deps
     PYTHONPATH=. /work/venv030/bin/python -m pytest tests/test_torchtitan030.py
 
 The runs go through ``torchrun -m titan_muon.torchtitan.v030.launch`` with a train_configs/ TOML
