@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 from torchtitan.train import main
 
 from titan_muon.torchtitan import cpu
-from titan_muon.torchtitan.train import Trainer
+from titan_muon.torchtitan.trainer import Trainer
 
 
 def fault_step(name: str) -> int | None:

@@ -180,9 +180,9 @@ def test_the_adapter_without_its_extra_names_the_extra(module):
 def test_torchtitan_versions_the_adapter_accepts():
     from titan_muon.torchtitan import check_torchtitan_version
 
-    for version in ("0.2.2", "0.2.3", "0.2.2.dev20260101+cpu"):
+    for version in ("0.2.2", "0.2.3", "0.2.2.dev20260101+cpu", "0.3.0", "0.3.1"):
         check_torchtitan_version(version)
-    for version in ("0.3.0", "0.1.0", "1.0", "unknown"):
+    for version in ("0.4.0", "0.1.0", "1.0", "unknown"):
         with pytest.raises(ImportError, match="torchtitan==0.2.2"):
             check_torchtitan_version(version)
 

@@ -6,9 +6,8 @@ Needs the ``torchtitan`` extra (docs/torchtitan.md#install); ``import titan_muon
 does not import this module.
 """
 
-from titan_muon.torchtitan.train import Trainer, check_restarts_can_rendezvous, run
-
-__all__ = ["Trainer", "check_restarts_can_rendezvous", "run"]
+from titan_muon.torchtitan.train import *  # noqa: F403  (what the launcher exports for the installed torchtitan)
+from titan_muon.torchtitan.train import run
 
 if __name__ == "__main__":
     run()

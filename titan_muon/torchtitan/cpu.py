@@ -22,20 +22,13 @@ On a CUDA machine none of this is used.
 """
 
 import functools
+import importlib
 import os
 import resource
 
 import torch
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
-
-import torchtitan.components.metrics
-import torchtitan.distributed.parallel_dims
-import torchtitan.models.moe.kernels
-import torchtitan.models.moe.utils
-import torchtitan.distributed.utils
-import torchtitan.tools.profiling
-import torchtitan.tools.utils
 
 
 class CPUDeviceModule:
@@ -84,20 +77,32 @@ def should_use_cpu() -> bool:
 def use_cpu_device() -> None:
     """Rebind torchtitan's import-time device choice to the CPU (and thus gloo), and let its
     MoE layer run there."""
+    rebind_device(
+        (
+            "torchtitan.tools.utils",
+            "torchtitan.distributed.utils",
+            "torchtitan.distributed.parallel_dims",
+            "torchtitan.components.metrics",
+            "torchtitan.tools.profiling",
+        )
+    )
+    count_integers_on_cpu()
+    permute_tokens_on_cpu()
+
+
+def rebind_device(module_names) -> None:
+    """Point the ``device_type`` / ``device_module`` names of these torchtitan modules at the CPU.
+
+    torchtitan 0.2.2 and 0.3.0 both read the device once, at import, and the modules that use it
+    import the two names; each module listed is imported here (if not yet) and its names rebound.
+    """
     device_module = CPUDeviceModule()
-    for module in (
-        torchtitan.tools.utils,
-        torchtitan.distributed.utils,
-        torchtitan.distributed.parallel_dims,
-        torchtitan.components.metrics,
-        torchtitan.tools.profiling,
-    ):
+    for name in module_names:
+        module = importlib.import_module(name)
         if hasattr(module, "device_type"):
             module.device_type = "cpu"
         if hasattr(module, "device_module"):
             module.device_module = device_module
-    count_integers_on_cpu()
-    permute_tokens_on_cpu()
 
 
 def count_integers_on_cpu() -> None:
@@ -128,9 +133,9 @@ def permute_tokens_on_cpu() -> None:
     """Expert parallel's token layout (``torchtitan.models.moe.utils._permute``) calls
     ``generate_permute_indices`` with its Triton kernel; torchtitan's own CPU implementation
     of it is selected by ``use_cpu=True``. Rebinds the name that utils imported."""
-    torchtitan.models.moe.utils.generate_permute_indices = functools.partial(
-        torchtitan.models.moe.kernels.generate_permute_indices, use_cpu=True
-    )
+    utils = importlib.import_module("torchtitan.models.moe.utils")  # torchtitan 0.2.x
+    kernels = importlib.import_module("torchtitan.models.moe.kernels")
+    utils.generate_permute_indices = functools.partial(kernels.generate_permute_indices, use_cpu=True)
 
 
 def force_sum_reductions(model_parts: list[nn.Module]) -> None:

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch.distributed as dist
 from datasets import Dataset, load_dataset
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from torchtitan.components.tokenizer import HuggingFaceTokenizer, build_hf_tokenizer
+from torchtitan.components.tokenizer import HuggingFaceTokenizer
 from torchtitan.hf_datasets import DatasetConfig
 from torchtitan.hf_datasets.text_datasets import DATASETS
 from torchtitan.tools.logging import logger
@@ -139,6 +139,7 @@ def save_tokenizer(tokenizer: Tokenizer, directory: str) -> None:
 
 
 def ensure_offline_tokenizer(directory: str, corpus_dir: str, suffixes: tuple[str, ...], vocab_size: int) -> None:
+    """Train the BPE tokenizer into ``directory`` unless one is there (torchtitan 0.2.x and 0.3.x)."""
     if os.path.isfile(os.path.join(directory, "tokenizer.json")):
         return
     os.makedirs(os.path.dirname(os.path.abspath(directory)), exist_ok=True)
@@ -151,7 +152,7 @@ def ensure_offline_tokenizer(directory: str, corpus_dir: str, suffixes: tuple[st
             save_tokenizer(tokenizer, directory)
 
 
-def _check_same_tokenizer_on_all_ranks(directory: str) -> None:
+def check_same_tokenizer_on_all_ranks(directory: str) -> None:
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
     with open(os.path.join(directory, "tokenizer.json"), "rb") as f:
@@ -168,12 +169,15 @@ def _check_same_tokenizer_on_all_ranks(directory: str) -> None:
 
 def build_tokenizer(job_config, vocab_size: int) -> HuggingFaceTokenizer:
     """torchtitan's Hugging Face tokenizer; for the offline datasets, built on first use."""
+    # torchtitan 0.2.x only; titan_muon.torchtitan.v030.data has 0.3.0's offline tokenizer
+    from torchtitan.components.tokenizer import build_hf_tokenizer
+
     directory = job_config.model.hf_assets_path
     dataset = job_config.training.dataset
     if dataset in OFFLINE_DATASETS:
         corpus_dir = job_config.training.dataset_path or DATASETS[dataset].path
         ensure_offline_tokenizer(directory, corpus_dir, OFFLINE_DATASETS[dataset], vocab_size)
-        _check_same_tokenizer_on_all_ranks(directory)
+        check_same_tokenizer_on_all_ranks(directory)
     tokenizer = build_hf_tokenizer(job_config)
     if tokenizer.get_vocab_size() > vocab_size:
         raise ValueError(

@@ -14,50 +14,23 @@ from typing import Any
 
 import torch.nn as nn
 import torchtitan.components.optimizer
-from torchtitan.components.optimizer import OptimizersContainer, build_optimizers as build_torchtitan_optimizers
+from torchtitan.components.optimizer import OptimizersContainer
+from torchtitan.components.optimizer import (
+    build_optimizers as build_torchtitan_optimizers,
+)
 from torchtitan.distributed import ParallelDims
 
-from titan_muon import Muon, build_param_groups
+from titan_muon import Muon
 from titan_muon.clip import QKClipMetrics, read_metrics
-from titan_muon.split import attention_row_blocks
 from titan_muon.torchtitan.config import validate_optimizer_config
 from titan_muon.torchtitan.metrics import time_optimizer_steps
+from titan_muon.torchtitan.muon import (  # noqa: F401
+    build_muon,
+    merged_step_metrics,
+    muon_kwargs,
+    param_group_kwargs,
+)
 from titan_muon.torchtitan.qk_clip import build_model_part_qk_clips
-
-
-def muon_kwargs(config: Any) -> dict[str, Any]:
-    return dict(
-        lr=config.lr,
-        weight_decay=config.weight_decay,
-        momentum=config.momentum,
-        nesterov=config.nesterov,
-        ns_steps=config.ns_steps,
-        adjust_lr_fn=config.adjust_lr_fn,
-        ns_coefficients=config.ns_coefficients,
-        ns_algorithm=config.ns_algorithm,
-        ns_dtype=config.ns_dtype,
-        comm_dtype=config.comm_dtype,
-        momentum_dtype=config.momentum_dtype,
-        adamw_betas=(config.beta1, config.beta2),
-        adamw_eps=config.eps,
-        adamw_implementation=config.implementation,
-        exchange_memory_mb=config.exchange_memory_mb,
-        rounds_in_flight=None if config.buckets_in_flight is not None else config.rounds_in_flight,
-        bucket_size_mb=config.bucket_size_mb,
-        buckets_in_flight=config.buckets_in_flight,
-        nonfinite_grads=config.nonfinite_grads,
-        overlap=config.overlap,
-    )
-
-
-def param_group_kwargs(config: Any) -> dict[str, Any]:
-    return dict(
-        adamw_lr=config.adamw_lr,
-        adamw_weight_decay=config.adamw_weight_decay,
-        adamw_patterns=config.adamw_patterns,
-        muon_patterns=config.muon_patterns,
-        unclassified=config.unclassified_params,
-    )
 
 
 class MuonOptimizersContainer(OptimizersContainer):
@@ -84,25 +57,13 @@ class MuonOptimizersContainer(OptimizersContainer):
 
     @staticmethod
     def _build(model: nn.Module, config: Any, kwargs: dict[str, Any], pipeline: bool = False) -> Muon:
-        groups = build_param_groups(model, **param_group_kwargs(config))  # the model: module types help classify
-        muon_names = {name for group in groups if group["use_muon"] for name in group["param_names"]}
-        # Split only what is optimized by Muon: adamw_patterns may have moved attention weights.
-        # A pipeline stage may hold no attention layer (embeddings only, or norm + output).
-        row_blocks = attention_row_blocks(model, config.split, missing_ok=pipeline)
-        blocks = {name: rows for name, rows in row_blocks.items() if name in muon_names}
-        return Muon(groups, row_blocks=blocks, **kwargs)
+        return build_muon(model, config, kwargs, pipeline)
 
     @property
     def last_step_metrics(self) -> dict[str, float]:
         """The last step's Muon metrics; with several model parts (pipeline parallel), bytes,
         times and FLOPs are summed over parts and the other values averaged."""
-        per_part = [opt.last_step_metrics for opt in self.optimizers]
-        merged: dict[str, float] = {}
-        for key in per_part[0]:
-            values = [metrics.get(key, 0.0) for metrics in per_part]
-            additive = any(word in key for word in ("bytes", "time", "flops"))
-            merged[key] = sum(values) if additive else sum(values) / len(values)
-        return merged | read_metrics(self.qk_clip_metrics)
+        return merged_step_metrics(self.optimizers) | read_metrics(self.qk_clip_metrics)
 
 
 def build_optimizers(

@@ -1,0 +1,72 @@
+"""From the ``[optimizer]`` fields to one :class:`titan_muon.Muon` per model part.
+
+Shared by the torchtitan 0.2.2 container (titan_muon.torchtitan.optimizer) and the 0.3.0 one
+(titan_muon.torchtitan.v030.optimizer): ``config`` is anything with the fields of
+titan_muon.torchtitan.config (plus torchtitan's ``lr``, ``weight_decay``, ``beta1``,
+``beta2``, ``eps`` and ``implementation``). Nothing here imports torchtitan.
+"""
+
+from typing import Any
+
+import torch.nn as nn
+
+from titan_muon import Muon, build_param_groups
+from titan_muon.split import attention_row_blocks
+
+
+def muon_kwargs(config: Any) -> dict[str, Any]:
+    return dict(
+        lr=config.lr,
+        weight_decay=config.weight_decay,
+        momentum=config.momentum,
+        nesterov=config.nesterov,
+        ns_steps=config.ns_steps,
+        adjust_lr_fn=config.adjust_lr_fn,
+        ns_coefficients=config.ns_coefficients,
+        ns_algorithm=config.ns_algorithm,
+        ns_dtype=config.ns_dtype,
+        comm_dtype=config.comm_dtype,
+        momentum_dtype=config.momentum_dtype,
+        adamw_betas=(config.beta1, config.beta2),
+        adamw_eps=config.eps,
+        adamw_implementation=config.implementation,
+        exchange_memory_mb=config.exchange_memory_mb,
+        rounds_in_flight=None if config.buckets_in_flight is not None else config.rounds_in_flight,
+        bucket_size_mb=config.bucket_size_mb,
+        buckets_in_flight=config.buckets_in_flight,
+        nonfinite_grads=config.nonfinite_grads,
+        overlap=config.overlap,
+    )
+
+
+def param_group_kwargs(config: Any) -> dict[str, Any]:
+    return dict(
+        adamw_lr=config.adamw_lr,
+        adamw_weight_decay=config.adamw_weight_decay,
+        adamw_patterns=config.adamw_patterns,
+        muon_patterns=config.muon_patterns,
+        unclassified=config.unclassified_params,
+    )
+
+
+def build_muon(model: nn.Module, config: Any, kwargs: dict[str, Any], pipeline: bool = False) -> Muon:
+    """One model part's Muon, with its own Muon / AdamW split (``kwargs``: :func:`muon_kwargs`)."""
+    groups = build_param_groups(model, **param_group_kwargs(config))  # the model: module types help classify
+    muon_names = {name for group in groups if group["use_muon"] for name in group["param_names"]}
+    # Split only what is optimized by Muon: adamw_patterns may have moved attention weights.
+    # A pipeline stage may hold no attention layer (embeddings only, or norm + output).
+    row_blocks = attention_row_blocks(model, config.split, missing_ok=pipeline)
+    blocks = {name: rows for name, rows in row_blocks.items() if name in muon_names}
+    return Muon(groups, row_blocks=blocks, **kwargs)
+
+
+def merged_step_metrics(optimizers: list[Muon]) -> dict[str, float]:
+    """The last step's Muon metrics over model parts: with several (pipeline parallel), bytes,
+    times and FLOPs are summed over parts and the other values averaged."""
+    per_part = [opt.last_step_metrics for opt in optimizers]
+    merged: dict[str, float] = {}
+    for key in per_part[0]:
+        values = [metrics.get(key, 0.0) for metrics in per_part]
+        additive = any(word in key for word in ("bytes", "time", "flops"))
+        merged[key] = sum(values) if additive else sum(values) / len(values)
+    return merged

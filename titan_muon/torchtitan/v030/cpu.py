@@ -1,0 +1,109 @@
+"""Run torchtitan 0.3.0 on torch 2.13, and on CPU processes talking over gloo.
+
+torchtitan 0.3.0 is released against torch 2.14; on torch 2.13 and without a GPU it needs:
+
+1. :func:`add_set_timeout` (torch 2.13, any device): torchtitan shortens every process group's
+   timeout after the first step with ``torch.distributed.set_timeout``, which torch 2.13 does
+   not have; torch 2.13's ``_set_pg_timeout`` does the same (gloo and NCCL).
+2. :func:`adapt_config` (CPU): ``parallelism.spmd_backend = "partial_dtensor"`` (the default
+   "spmd_types" backend does not run on torch 2.13's CPU build), SDPA attention instead of
+   FlexAttention / varlen attention (neither runs on CPU here; SDPA is causal over the whole
+   packed sequence, where FlexAttention masks each document: the loss differs a little from a
+   GPU run), and CUDA graphs off (``training.disable_cuda_graphs``).
+3. :func:`use_cpu_device` (CPU): torchtitan reads the device once, at import, as
+   ``_get_available_device_type() or "cuda"``; the modules that imported that choice are pointed
+   at the CPU (and thus gloo), as titan_muon.torchtitan.cpu does for 0.2.2, and ``torch.histc``
+   counts integers on CPU (MoE token counts per expert).
+4. :func:`titan_muon.torchtitan.cpu.force_sum_reductions` (CPU, after the model is sharded):
+   torchtitan turns FSDP's gradient division off, and FSDP then asks gloo for ``PREMUL_SUM``,
+   which gloo lacks; with a factor of 1 a SUM is the same math.
+
+titan_muon.torchtitan.v030.trainer applies all of them; on a CUDA machine only the first.
+"""
+
+import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import _set_pg_timeout
+from torchtitan.models.common.attention import (
+    FlexAttention,
+    ScaledDotProductAttention,
+    VarlenAttention,
+)
+from torchtitan.tools.logging import logger
+
+from titan_muon.torchtitan.cpu import (  # noqa: F401
+    count_integers_on_cpu,
+    force_sum_reductions,
+    rebind_device,
+)
+
+# the torchtitan 0.3.0 modules that import device_type / device_module from torchtitan.tools.utils
+DEVICE_MODULES = (
+    "torchtitan.tools.utils",
+    "torchtitan.distributed.utils",
+    "torchtitan.distributed.parallel_dims",
+    "torchtitan.components.metrics",
+    "torchtitan.models.common.token_dispatcher",
+    "torchtitan.tools.profiler",
+)
+
+
+def should_use_cpu() -> bool:
+    return not torch.cuda.is_available()
+
+
+def add_set_timeout() -> None:
+    """``torch.distributed.set_timeout(timeout, group=None)`` where torch lacks it (2.13)."""
+    if hasattr(dist, "set_timeout"):
+        return
+
+    def set_timeout(timeout, group=None) -> None:
+        _set_pg_timeout(timeout, group)
+
+    dist.set_timeout = set_timeout
+
+
+def use_cpu_device() -> None:
+    rebind_device(DEVICE_MODULES)
+    count_integers_on_cpu()
+
+
+def use_sdpa_attention(config) -> list[str]:
+    """Replace every FlexAttention / varlen attention config under ``config`` (a Trainer.Config
+    or a ModelSpec) by SDPA; returns the FQNs replaced."""
+    replaced = []
+    for kind in (FlexAttention.Config, VarlenAttention.Config):
+        for fqn, _, parent, attr in list(config.traverse(kind)):
+            if isinstance(parent, list):
+                parent[attr] = ScaledDotProductAttention.Config()
+            else:
+                setattr(parent, attr, ScaledDotProductAttention.Config())
+            replaced.append(fqn)
+    return replaced
+
+
+def adapt_config(config) -> list[str]:
+    """Set what a ``Trainer.Config`` needs on CPU (see the module docstring); idempotent.
+    Returns a description of each change made."""
+    changes = []
+    if config.parallelism.spmd_backend != "partial_dtensor":
+        changes.append(f'parallelism.spmd_backend {config.parallelism.spmd_backend!r} -> "partial_dtensor"')
+        config.parallelism.spmd_backend = "partial_dtensor"
+    if not config.training.disable_cuda_graphs:
+        changes.append("training.disable_cuda_graphs -> True")
+        config.training.disable_cuda_graphs = True
+    if config.model_spec is not None:
+        replaced = use_sdpa_attention(config.model_spec)
+        if replaced:
+            changes.append(f"attention -> SDPA in {len(replaced)} layers")
+    return changes
+
+
+def prepare(config) -> None:
+    """Everything needed before torchtitan's Trainer is built with ``config``."""
+    add_set_timeout()
+    if should_use_cpu():
+        use_cpu_device()
+        changes = adapt_config(config)
+        if changes:
+            logger.info("titan_muon: CPU run of torchtitan 0.3.0: " + "; ".join(changes))

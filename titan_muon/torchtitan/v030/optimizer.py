@@ -1,0 +1,158 @@
+"""titan_muon's Muon as a torchtitan 0.3.0 optimizer container, and the override that selects it.
+
+torchtitan 0.3.0 builds the optimizer from ``Trainer.Config.optimizer``, an
+``OptimizersContainer.Config`` whose ``build(model_parts=...)`` constructs the class that owns
+it. Its optimizer names are a fixed table (Adam, AdamW, DistMuon), so titan_muon's Muon comes in
+as a subclass: :class:`MuonOptimizersContainer`, whose nested ``Config`` has the keys of the
+0.2.2 ``[optimizer]`` section (titan_muon.torchtitan.config, generated from it, checked by
+its ``validate_optimizer_config``) and torchtitan's ``lr``, ``weight_decay``, ``beta1``,
+``beta2``, ``eps`` and ``implementation``. They are command-line flags like any other
+(``--optimizer.ns_steps 3``, ``--optimizer.momentum_dtype bf16``).
+
+It builds one :class:`titan_muon.Muon` per model part with build_param_groups (Muon: hidden
+matrices, fused Q/K/V, routed experts; AdamW: embeddings, output head, router, norms, biases)
+and keeps everything else of torchtitan's container: its flat FQN-keyed checkpoint state
+(``state.{fqn}.{name}``, Muon's groups carry ``param_names``), its LR schedulers, its step
+hooks (MoE expert-bias load balancing is a step pre-hook registered by the model's
+``post_optimizer_build_fn``).
+
+Any stock recipe switches to it with one flag::
+
+    --override.imports titan_muon.torchtitan.v030.optimizer.muon
+    --override.imports 'titan_muon.torchtitan.v030.optimizer.muon={"lr": 0.02, "ns_steps": 5}'
+
+:func:`muon` takes the recipe's catch-all AdamW settings (lr, betas, eps, weight decay) for
+Muon's AdamW groups; Muon's own lr is the Config default (0.02) unless given.
+
+Not supported here (refused, naming the setting): ``qk_clip`` (titan_muon records attention
+logits only in 0.2.2's attention modules), torchtitan's ``param_groups`` table and
+``optimizer_factory_kwargs_by_name`` (the split is build_param_groups'; use ``adamw_patterns``
+/ ``muon_patterns``), ``implementation = "fused_opt_states_bf16"``.
+"""
+
+import dataclasses
+from dataclasses import MISSING, dataclass, field, fields, make_dataclass
+from types import SimpleNamespace
+from typing import Any
+
+import torch.nn as nn
+from torchtitan.components.optimizer import OptimizersContainer
+from torchtitan.config import override
+from torchtitan.tools.logging import logger
+
+from titan_muon import Muon
+from titan_muon.torchtitan import config as optimizer_section
+from titan_muon.torchtitan.config import validate_optimizer_config
+from titan_muon.torchtitan.metrics import time_optimizer_steps
+from titan_muon.torchtitan.muon import build_muon, merged_step_metrics, muon_kwargs
+
+
+def _copied(f: dataclasses.Field) -> tuple[str, Any, dataclasses.Field]:
+    if f.default_factory is not MISSING:
+        return f.name, f.type, field(default_factory=f.default_factory)
+    return f.name, f.type, field(default=f.default)
+
+
+# The [optimizer] keys of titan_muon.torchtitan.config, as keyword-only slotted fields on top of
+# torchtitan's OptimizersContainer.Config: one list of keys for 0.2.2 and 0.3.0.
+_MuonSection = make_dataclass(
+    "MuonSection",
+    [_copied(f) for f in fields(optimizer_section.Optimizer)],
+    bases=(OptimizersContainer.Config,),
+    kw_only=True,
+    slots=True,
+)
+_MuonSection.__module__ = __name__
+
+
+class MuonOptimizersContainer(OptimizersContainer):
+    """One :class:`titan_muon.Muon` per model part, each with its own Muon / AdamW split."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(_MuonSection):
+        lr: float = 0.02
+        """Muon's learning rate (hidden matrices, experts); also AdamW's unless adamw_lr is set."""
+
+        weight_decay: float = 0.1
+        """Decoupled weight decay of both Muon and AdamW groups (unless adamw_weight_decay is set)."""
+
+        beta1: float = 0.9
+        """AdamW groups' beta1."""
+
+        beta2: float = 0.95
+        """AdamW groups' beta2."""
+
+        eps: float = 1e-8
+        """AdamW groups' eps."""
+
+    optimizers: list[Muon]
+
+    def __init__(self, config: Config, *, model_parts: list[nn.Module]) -> None:
+        check_config(config)
+        kwargs = muon_kwargs(config)
+        self.model_parts = model_parts
+        several = len(model_parts) > 1  # a pipeline stage may hold no attention layer
+        self.optimizers = [build_muon(model, config, kwargs, pipeline=several) for model in model_parts]
+        params = [p for opt in self.optimizers for group in opt.param_groups for p in group["params"]]
+        self._validate_params(params)
+        self._post_init(params)
+        time_optimizer_steps(self)
+
+    @property
+    def last_step_metrics(self) -> dict[str, float]:
+        """The last step's Muon metrics (``muon/*``), merged over model parts."""
+        return merged_step_metrics(self.optimizers)
+
+
+def check_config(config: MuonOptimizersContainer.Config) -> None:
+    """Raise ``ValueError`` naming the first bad key (the 0.2.2 checks, and what 0.3.0 lacks)."""
+    section = SimpleNamespace(**{f.name: getattr(config, f.name) for f in fields(config)}, name="Muon")
+    validate_optimizer_config(section)
+    if config.param_groups:
+        raise ValueError(
+            "optimizer.param_groups is torchtitan's per-pattern optimizer table; titan_muon's Muon splits the "
+            "parameters itself (build_param_groups): move parameters with optimizer.adamw_patterns / muon_patterns"
+        )
+    if config.optimizer_factory_kwargs_by_name:
+        raise ValueError("optimizer.optimizer_factory_kwargs_by_name has no meaning for titan_muon's Muon")
+    if config.qk_clip:
+        raise ValueError(
+            "optimizer.qk_clip = true is not supported with torchtitan 0.3.0 yet: titan_muon records the max "
+            "attention logit per head only in torchtitan 0.2.2's attention modules. Set qk_clip = false "
+            "(--optimizer.no-qk_clip) or use torchtitan 0.2.2 (docs/muonclip.md)"
+        )
+
+
+_STOCK_KEYS = {"lr": "adamw_lr", "eps": "eps", "weight_decay": "weight_decay"}
+
+
+def stock_adamw_settings(config: OptimizersContainer.Config) -> dict[str, Any]:
+    """Muon-container settings carrying over a stock config's AdamW: the lr, betas, eps and
+    weight decay of its last Adam/AdamW param group (by torchtitan's convention the catch-all)."""
+    groups = [g for g in config.param_groups if g.optimizer_name in ("AdamW", "Adam")]
+    if not groups:
+        return {}
+    kwargs = groups[-1].optimizer_kwargs
+    settings = {ours: kwargs[theirs] for theirs, ours in _STOCK_KEYS.items() if theirs in kwargs}
+    if "betas" in kwargs:
+        settings["beta1"], settings["beta2"] = (float(b) for b in kwargs["betas"])
+    return settings
+
+
+@override(
+    target=OptimizersContainer.Config,
+    description="titan_muon's Muon for hidden matrices and experts, AdamW for the rest",
+)
+def muon(config: OptimizersContainer.Config, **settings: Any) -> MuonOptimizersContainer.Config:
+    """Replace the recipe's optimizer by :class:`MuonOptimizersContainer`.
+
+    ``settings`` (the JSON of ``--override.imports 'titan_muon.torchtitan.v030.optimizer.muon={...}'``)
+    set any key of the Config; the recipe's AdamW lr, betas, eps and weight decay go to the AdamW groups.
+    """
+    if isinstance(config, MuonOptimizersContainer.Config):
+        return dataclasses.replace(config, **settings)
+    carried = stock_adamw_settings(config)
+    implementation = "fused" if config.implementation == "fused_opt_states_bf16" else config.implementation
+    replacement = MuonOptimizersContainer.Config(implementation=implementation, **{**carried, **settings})
+    logger.info(f"titan_muon Muon replaces the recipe's optimizer; carried over from its AdamW: {carried}")
+    return replacement

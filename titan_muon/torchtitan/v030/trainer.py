@@ -1,0 +1,54 @@
+"""torchtitan 0.3.0's Trainer, made to run on torch 2.13 and on CPU (gloo).
+
+``MuonTrainer.Config`` is torchtitan's ``Trainer.Config`` unchanged; being a subclass, it builds
+:class:`MuonTrainer`, which applies titan_muon.torchtitan.v030.cpu before torchtitan's setup (and
+FSDP's SUM reductions on CPU after it), and refuses what titan_muon's Muon does not support
+under 0.3.0 yet, before minutes of setup rather than after. Every config function of
+titan_muon.torchtitan.v030.config_registry and the TOML launcher return this Config, so torchtitan's
+own ``python -m torchtitan.train --module titan_muon.torchtitan.v030 --config ...`` runs it too.
+"""
+
+from dataclasses import dataclass, fields
+
+from torchtitan.trainer import Trainer
+
+from titan_muon.torchtitan.v030 import cpu
+from titan_muon.torchtitan.v030.optimizer import MuonOptimizersContainer, check_config
+
+
+def check_supported(config: Trainer.Config) -> None:
+    if not isinstance(config.optimizer, MuonOptimizersContainer.Config):
+        return
+    check_config(config.optimizer)
+    if config.parallelism.pipeline_parallel_degree > 1:
+        raise NotImplementedError(
+            "titan_muon's Muon under pipeline parallel is not wired for torchtitan 0.3.0 yet: 0.3.0 builds the "
+            "optimizer without the parallel dims, so the stages could not agree on non-finite gradients; use "
+            "torchtitan 0.2.2 for pipeline parallel (docs/torchtitan.md)"
+        )
+    if config.optimizer.overlap and not config.training.disable_cuda_graphs:
+        raise ValueError(
+            "optimizer.overlap sends gradient rows during backward, which a CUDA graph of forward + backward "
+            "cannot hold: set --training.disable_cuda_graphs"
+        )
+
+
+class MuonTrainer(Trainer):
+    @dataclass(kw_only=True, slots=True)
+    class Config(Trainer.Config):
+        pass
+
+    def __init__(self, config: Config):
+        cpu.prepare(config)
+        check_supported(config)
+        super().__init__(config)
+        if cpu.should_use_cpu():
+            cpu.force_sum_reductions(self.model_parts)
+
+
+def as_muon_trainer(config: Trainer.Config) -> MuonTrainer.Config:
+    """``config`` (any recipe's ``Trainer.Config``) as a ``MuonTrainer.Config``: the same fields,
+    building the trainer that applies the CPU shims. A Config of another Trainer subclass is kept."""
+    if type(config) is not Trainer.Config:
+        return config
+    return MuonTrainer.Config(**{f.name: getattr(config, f.name) for f in fields(config) if f.init})
