@@ -23,6 +23,7 @@ from titan_muon.split import attention_row_blocks
 from titan_muon.torchtitan.config import validate_optimizer_config
 from titan_muon.torchtitan.metrics import time_optimizer_steps
 from titan_muon.torchtitan.qk_clip import build_model_part_qk_clips
+from titan_muon.torchtitan.replicas import check_replicas
 
 
 def muon_kwargs(config: Any) -> dict[str, Any]:
@@ -47,6 +48,10 @@ def muon_kwargs(config: Any) -> dict[str, Any]:
         buckets_in_flight=config.buckets_in_flight,
         nonfinite_grads=config.nonfinite_grads,
         overlap=config.overlap,
+        demo=config.demo,
+        demo_chunk=config.demo_chunk,
+        demo_topk=config.demo_topk,
+        demo_alpha=config.demo_alpha,
     )
 
 
@@ -68,6 +73,9 @@ class MuonOptimizersContainer(OptimizersContainer):
         pipeline = parallel_dims is not None and parallel_dims.pp_enabled
         # a non-finite gradient in any stage raises or skips in every stage
         stages = {"pipeline_group": parallel_dims.get_mesh("pp").get_group()} if pipeline else {}
+        if config.demo:  # the optimizer owns the replicate dimension (FSDP2 runs on the fsdp mesh only)
+            check_replicas(parallel_dims)
+            stages["replicate_group"] = parallel_dims.get_mesh("dp_replicate").get_group()
         self.optimizers = [self._build(model, config, {**kwargs, **stages}, pipeline) for model in model_parts]
         self._validate_length(len(model_parts))
         params = [p for model in model_parts for p in model.parameters() if p.requires_grad]
