@@ -29,6 +29,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from titan_muon import demo
 from titan_muon.commit import staged_state
@@ -104,6 +106,7 @@ class Replicas:
         self.settings = settings
         self.transport = Transport(group, device)
         self.count = self.transport.world_size
+        self._meshes: dict[object, DeviceMesh] = {}
         self.begin_step()
 
     # ------------------------------------------------------------ construction
@@ -233,6 +236,55 @@ class Replicas:
             torch._foreach_copy_(grads, [part.view_as(g) for part, g in zip(flat.split([g.numel() for g in grads]), grads)])
             self.adamw_bytes += flat.numel() * flat.element_size()
 
+    # ------------------------------------------------------------ checkpoints
+
+    def stacked(self, state: Tensor, param: Tensor) -> DTensor:
+        """A replica's state tensor laid out like `param` as its slice of an (R, *shape) DTensor:
+        ``Shard(0)`` over the replicas and the parameter's placements on the other dims, so DCP
+        saves every replica's own momentum (a replicated tensor it would save once)."""
+        if isinstance(param, DTensor):
+            mesh = self._mesh(param.device_mesh)
+            placements = (Shard(0), *(_shifted(p, param) for p in state.placements))
+        else:
+            mesh, placements = self._mesh(None), (Shard(0),)
+        shape = (self.count, *state.shape)
+        stride = tuple(int(torch.tensor(shape[i + 1 :]).prod()) for i in range(len(shape)))
+        return DTensor.from_local(local_shard(state).unsqueeze(0), mesh, placements, shape=torch.Size(shape), stride=stride)
+
+    def own_slice(self, stacked: Tensor, param: Tensor, name: str) -> Tensor:
+        """This replica's state laid out like `param`, from a loaded :meth:`stacked` tensor."""
+        if not isinstance(stacked, DTensor) or stacked.ndim != param.ndim + 1 or stacked.shape[1:] != param.shape:
+            raise ValueError(
+                f"titan_muon.Muon: the saved Muon state of {name!r} has shape {tuple(stacked.shape)}; with demo=True it "
+                f"is ({self.count}, {', '.join(map(str, param.shape))}): one momentum per replica (was it saved without demo?)"
+            )
+        if stacked.shape[0] != self.count:
+            raise ValueError(
+                f"titan_muon.Muon: the checkpoint holds the momenta of {stacked.shape[0]} replicas, this run has "
+                f"{self.count}: with demo=True every replica keeps its own momentum, and a changed number of "
+                "replicas has no exact meaning (whose momentum would a new replica take?). Resume with the same "
+                "data_parallel_replicate degree, or load the weights only."
+            )
+        local = stacked.to_local()[0]
+        if isinstance(param, DTensor):
+            return DTensor.from_local(local, param.device_mesh, param.placements, shape=param.shape, stride=param.stride())
+        return local
+
+    def _mesh(self, param_mesh: DeviceMesh | None) -> DeviceMesh:
+        """(replicas, *param_mesh's dims), its layout gathered over the replicas once."""
+        key = None if param_mesh is None else (tuple(param_mesh.mesh.reshape(-1).tolist()), param_mesh.mesh_dim_names)
+        if key not in self._meshes:
+            device_type = self.transport.device.type
+            if param_mesh is None:
+                self._meshes[key] = DeviceMesh.from_group(self.transport.group, device_type, mesh_dim_names=("demo_replica",))
+            else:
+                ranks = param_mesh.mesh.to(device=self.transport.device, dtype=torch.int64).reshape(-1)
+                layout = self.transport.all_gather(ranks).cpu().reshape(self.count, *param_mesh.mesh.shape)
+                groups = [self.transport.group, *(param_mesh.get_group(d) for d in range(param_mesh.ndim))]
+                names = param_mesh.mesh_dim_names or tuple(f"dim{d}" for d in range(param_mesh.ndim))
+                self._meshes[key] = DeviceMesh.from_group(groups, device_type, mesh=layout, mesh_dim_names=("demo_replica", *names))
+        return self._meshes[key]
+
     # ------------------------------------------------------------ metrics
 
     def metrics(self) -> dict[str, float]:
@@ -245,3 +297,11 @@ class Replicas:
             "demo/bytes_dense": float(demo.allreduce_bytes_sent(self.dense_bytes, self.count)),
             "demo/adamw_bytes_sent": float(demo.allreduce_bytes_sent(self.adamw_bytes, self.count)),
         }
+
+
+def _shifted(placement, param: Tensor):
+    if isinstance(placement, Replicate):
+        return placement
+    if type(placement) is Shard:
+        return Shard(placement.dim + 1)
+    raise NotImplementedError(f"titan_muon.Muon: checkpoints with demo=True support Shard/Replicate placements, got {placement} for a parameter of shape {tuple(param.shape)}")

@@ -442,17 +442,8 @@ class Muon(Optimizer):
     def state_dict(self) -> dict:
         """With momentum on the owners, their blocks travel back into state tensors laid out
         like the parameters first (a collective: call it on every rank, as DCP does)."""
-        self._refuse_demo_checkpoint()
         return checkpoint.state_dict(self, super().state_dict())
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Refuse state saved under another Muon/AdamW assignment, before changing anything."""
-        self._refuse_demo_checkpoint()
         checkpoint.load_state_dict(self, state_dict, super().load_state_dict)
-
-    def _refuse_demo_checkpoint(self) -> None:
-        if self.demo is not None:
-            raise NotImplementedError(
-                "titan_muon.Muon: checkpoints of demo=True optimizers are not supported yet: every replica's momentum "
-                "differs and must be saved per replica (docs/demo.md)"
-            )
