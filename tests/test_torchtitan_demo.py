@@ -6,6 +6,7 @@ shards (FSDP2 on the shard mesh only) must then be HSDP's (each replica's gradie
 mean, replicas.py). R = 2 × S = 1 runs without FSDP.
 """
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ pytestmark = pytest.mark.timeout(1800)
 
 MUON = "train_configs/llama3_gqa_muon.toml"
 STEPS = 4
+CHECKPOINT = ["--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.no-last-save-model-only"]
 DEMO = ["--optimizer.demo", "--optimizer.no-nesterov", "--optimizer.momentum", "0.99", "--optimizer.demo_topk", "16"]
 
 
@@ -31,7 +33,7 @@ def runs(tmp_path_factory):
         return workdir / dump
 
     # The first run (the stdlib corpus) builds the offline tokenizer under workdir, which the corpus needs.
-    stdlib = run("demo_stdlib", 4, "--parallelism.data_parallel_replicate_degree", "2", *DEMO)
+    stdlib = run("demo_stdlib", 4, "--parallelism.data_parallel_replicate_degree", "2", *DEMO, *CHECKPOINT)
     corpus = one_sequence_corpus(workdir, workdir / "tokenizer")
     data = ["--training.dataset", "text_files", "--training.dataset_path", str(corpus)]
     return {
@@ -74,3 +76,25 @@ def test_demo_without_fsdp(runs):
     assert losses[STEPS] < losses[1]
     sent = read_scalars(str(runs["demo_2x1"]), "demo/bytes_sent")
     assert all(value > 0 for value in sent.values())
+
+
+def test_demo_resume_continues_exactly(runs, tmp_path):
+    """A DeMo run resumed from its step-2 checkpoint (each replica's momentum saved as its own
+    slice) logs the straight run's losses at steps 3 and 4 bit for bit; resuming it on 4
+    replicas of 1 rank instead of 2 × 2 is refused before loading, naming the replica counts."""
+    straight = runs["demo_stdlib"]
+    workdir = straight.parent
+
+    def resume(dump: str, *extra: str):
+        shutil.copytree(straight / "checkpoint" / "step-2", workdir / dump / "checkpoint" / "step-2")
+        flags = [*tiny_run_flags(workdir, dump, STEPS), *trainer_flags(), *DEMO, *CHECKPOINT, *extra]
+        return run_training(MUON, flags, nproc=4, timeout=900, check=False)
+
+    result = resume("demo_resumed", "--parallelism.data_parallel_replicate_degree", "2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    expected, resumed = read_losses(str(straight)), read_losses(str(workdir / "demo_resumed"))
+    assert sorted(resumed) == [3, 4]
+    assert resumed == {step: expected[step] for step in resumed}
+    result = resume("demo_four_replicas", "--parallelism.data_parallel_replicate_degree", "4")
+    assert result.returncode != 0
+    assert "momenta of 2 replicas, this run has 4" in result.stdout + result.stderr

@@ -22,7 +22,7 @@ from titan_muon.torchtitan.checkpoint import check_before_resume, checkpoint_io_
 from titan_muon.torchtitan.config import validate_optimizer_config
 from titan_muon.torchtitan.pipeline import check_pipeline_loss, set_global_valid_tokens
 from titan_muon.torchtitan.qk_clip import record_only_stage_forwards
-from titan_muon.torchtitan.replicas import demo_enabled, replica_tokens
+from titan_muon.torchtitan.replicas import replica_tokens
 
 
 def check_restarts_can_rendezvous(environ: Mapping[str, str] = os.environ) -> None:
@@ -48,11 +48,6 @@ class Trainer(TorchTitanTrainer):
     def __init__(self, job_config: JobConfig):
         check_restarts_can_rendezvous()
         validate_optimizer_config(job_config.optimizer)  # before minutes of setup, not after
-        if demo_enabled(job_config) and job_config.checkpoint.enable:
-            raise ValueError(
-                "[optimizer] demo = true does not support checkpoints yet ([checkpoint] enable = false): every "
-                "replica's momentum differs and would have to be saved per replica (docs/demo.md)"
-            )
         super().__init__(job_config)
         check_pipeline_loss(self.loss_fn, self.parallel_dims.pp_enabled, job_config.model.name)
         if self.parallel_dims.pp_enabled:
