@@ -63,6 +63,57 @@ def test_invalid_optimizer_value_is_named(tmp_path, line, key):
         validate_optimizer_config(parse(toml=str(toml)).optimizer)
 
 
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        ((), r"\[optimizer\] demo = true needs nesterov = false"),
+        (("--optimizer.no-nesterov", "--optimizer.demo_chunk", "0"), r"\[optimizer\] demo_chunk"),
+        (("--optimizer.no-nesterov", "--optimizer.demo_topk", "5000"), r"\[optimizer\] demo_topk"),
+        (("--optimizer.no-nesterov", "--optimizer.demo_alpha", "2"), r"\[optimizer\] demo_alpha"),
+        (("--optimizer.no-nesterov", "--optimizer.momentum_dtype", "bf16"), r"\[optimizer\] momentum_dtype"),
+        (("--optimizer.no-nesterov", "--optimizer.overlap"), r"\[optimizer\] demo = true does not support overlap"),
+        (("--optimizer.no-nesterov", "--optimizer.name", "AdamW", "--optimizer.no-qk_clip"), r'demo = true needs name = "Muon"'),
+    ],
+)
+def test_demo_settings_are_checked(flags, message):
+    optimizer = parse("--optimizer.demo", *flags).optimizer
+    with pytest.raises(ValueError, match=message):
+        validate_optimizer_config(optimizer)
+
+
+def test_demo_keys_reach_the_optimizer():
+    from titan_muon.torchtitan.optimizer import muon_kwargs
+
+    optimizer = parse("--optimizer.demo", "--optimizer.no-nesterov", "--optimizer.demo_topk", "4").optimizer
+    validate_optimizer_config(optimizer)
+    kwargs = muon_kwargs(optimizer)
+    assert (kwargs["demo"], kwargs["demo_chunk"], kwargs["demo_topk"], kwargs["demo_alpha"]) == (True, 64, 4, 0.2)
+
+
+def test_demo_parallelizes_without_replicas():
+    """With demo = true the train spec's parallelize sees no replicate dimension (FSDP2 on the
+    fsdp mesh only, no DDP); without it, torchtitan's own ParallelDims passes through."""
+    from torchtitan.distributed import ParallelDims
+
+    from titan_muon.torchtitan.replicas import parallelize_for_demo
+
+    dims = ParallelDims(dp_replicate=2, dp_shard=2, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=4)
+    seen = []
+    parallelize = parallelize_for_demo(lambda model, parallel_dims, job_config: seen.append(parallel_dims))
+    parallelize(None, dims, parse())
+    parallelize(None, dims, parse("--optimizer.demo", "--optimizer.no-nesterov"))
+    assert seen[0] is dims
+    view = seen[1]
+    assert (view.dp_replicate, view.dp_replicate_enabled, view.dp_shard, view.fsdp_enabled) == (1, False, 2, True)
+    assert view.fsdp_gradient_divide_factor == 2 and view.dp_enabled
+    one_shard = ParallelDims(dp_replicate=2, dp_shard=1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=2)
+    parallelize(None, one_shard, parse("--optimizer.demo", "--optimizer.no-nesterov"))
+    assert not seen[2].dp_replicate_enabled and not seen[2].fsdp_enabled and not seen[2].dp_enabled
+    with pytest.raises(ValueError, match="data_parallel_replicate_degree >= 2"):
+        parallelize(None, ParallelDims(dp_replicate=1, dp_shard=2, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=2),
+                    parse("--optimizer.demo", "--optimizer.no-nesterov"))  # fmt: skip
+
+
 @pytest.mark.parametrize("name", ["AdamW", "Adam"])
 def test_qk_clip_with_another_optimizer_is_refused(name):
     optimizer = parse("--optimizer.name", name, "--optimizer.qk_clip").optimizer

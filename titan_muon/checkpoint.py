@@ -27,21 +27,27 @@ class _PassedThrough:
 
 
 def state_dict(opt, state_dict: dict) -> dict:
-    """`state_dict` (torch's, of `opt`) with the owners' momentum laid out like the parameters."""
-    sharded = [e for e in opt.muon_params if e.sharding is not None]
-    if not opt.owner_momentum or not all(e.param in opt.state for e in sharded):
+    """`state_dict` (torch's, of `opt`) with the owners' momentum laid out like the parameters;
+    with DeMo, each replica's as its slice of a tensor over the replicas (Replicas.stacked)."""
+    held = [e for e in opt.muon_params if opt._on_owner(e)]
+    if not opt.owner_momentum or not all(e.param in opt.state for e in held):
         return state_dict
     states = {}
-    for e in sharded:
+    for e in held:
         states[e.param] = opt.storage.create(e.param)
         for key, value in states[e.param].items():
             if value.ndim == 0:  # a per-parameter counter: every rank has it
                 states[e.param][key] = opt.state[e.param][key].clone()
-    for s, engine in enumerate(opt.sharded_engines):
-        blocks = {u: block for (rank_set, u), block in opt.owner_blocks.items() if rank_set == s}
-        blocks_to_shards(opt.storage, opt.muon_params, engine, blocks, states)
+    for s, engine in enumerate(opt.engines):
+        if opt._owners_hold(engine):
+            blocks = {u: block for (rank_set, u), block in opt.owner_blocks.items() if rank_set == s}
+            blocks_to_shards(opt.storage, opt.muon_params, engine, blocks, states)
+    if opt.replicas is not None:
+        for e in held:
+            for key in opt.storage.tensor_keys:
+                states[e.param][key] = opt.replicas.stacked(states[e.param][key], e.param)
     index_of = {id(p): i for i, p in enumerate(p for g in opt.param_groups for p in g["params"])}
-    for e in sharded:
+    for e in held:
         state_dict["state"][index_of[id(e.param)]] = states[e.param]
     return state_dict
 
@@ -93,7 +99,7 @@ def load_state_dict(opt, state_dict: dict, torch_load) -> None:
 
 
 def _move_loaded_momentum_to_owners(opt) -> None:
-    sharded = [e for e in opt.muon_params if e.sharding is not None]
+    sharded = [e for e in opt.muon_params if opt._on_owner(e)]
     tensors = opt.storage.tensor_keys
     loaded = [all(k in opt.state[e.param] and opt.state[e.param][k].ndim > 0 for k in tensors) for e in sharded]
     if not any(loaded):
@@ -101,11 +107,15 @@ def _move_loaded_momentum_to_owners(opt) -> None:
     if not all(loaded):
         missing = [e.name for e, ok in zip(sharded, loaded) if not ok]
         raise ValueError(f"titan_muon.Muon: the checkpoint has Muon state for some parameters but not for {missing}")
-    states = {e.param: opt.state[e.param] for e in sharded}
+    states = {e.param: dict(opt.state[e.param]) for e in sharded}
+    if opt.replicas is not None:  # every replica takes its own slice (checked against the replica count first)
+        for e in sharded:
+            states[e.param].update({k: opt.replicas.own_slice(states[e.param][k], e.param, e.name) for k in tensors})
     opt.owner_blocks = {}
-    for s, engine in enumerate(opt.sharded_engines):
-        for u, block in shards_to_blocks(opt.storage, opt.muon_params, engine, states).items():
-            opt.owner_blocks[(s, u)] = block
+    for s, engine in enumerate(opt.engines):
+        if opt._owners_hold(engine):
+            for u, block in shards_to_blocks(opt.storage, opt.muon_params, engine, states).items():
+                opt.owner_blocks[(s, u)] = block
     for e in sharded:
         placeholders = opt.storage.placeholders(opt.device)
         opt.state[e.param].update({key: placeholders[key] for key in tensors})

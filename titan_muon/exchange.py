@@ -165,12 +165,15 @@ class ExchangeEngine:
         failure: StepFailure,
         memory: MemoryAccount,
         arrived: dict[int, Exchange] | None = None,
+        settle: Callable[[int], None] | None = None,
     ) -> list[Exchange]:
         """Every round's round trip, ``rounds_in_flight`` outbound trips ahead of the owners.
 
         Pieces travel out in `dtype` and come back in `return_dtype`. ``arrived``: rounds whose
         outbound trip already happened (during backward). Returns the return exchanges, whose buffers hold the updates
-        handed to ``receive``: they stay alive until the commit.
+        handed to ``receive``: they stay alive until the commit. ``settle(r)``, if given, runs
+        after round r's owner work on every rank, whether that work ran, failed or was skipped
+        after an earlier failure: DeMo's owners complete their collective across replicas there.
         """
         arrived = dict(arrived or {})
         self.bytes_to_owners = 0
@@ -211,6 +214,8 @@ class ExchangeEngine:
                     memory.free(batch_bytes + sum(t.numel() * t.element_size() for t in results.values()))
                 except Exception as error:  # noqa: BLE001 - settled on every rank in agree_on_success
                     failure.record(error, f"Newton-Schulz of round {r}")
+            if settle is not None:
+                settle(r)
             memory.free(exchange.received.numel())
             del exchange, received
             if back is None:

@@ -14,6 +14,10 @@ One step, top-down (``step``):
   5. commit, which allocates nothing: momentum, weight decay and the update on the local
      blocks; AdamW groups.
 
+With ``demo=True`` (DeMo, demo_step.py) the optimizer also owns the replicate dimension: the
+owners exchange compressed momentum with their counterparts in the other replicas in step 2,
+AdamW gradients are averaged over the replicas, and both agreements span every replica.
+
 Parameters are plain tensors (one process, or replicated) or DTensors whose placements give
 every rank one block of each matrix (params.py, layout.py). The plan (owners, rounds, split
 sizes) is a pure function of shapes and placements (plan.py), so a run on any layout
@@ -29,8 +33,9 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from titan_muon import checkpoint, settings
+from titan_muon import checkpoint, demo, settings
 from titan_muon.commit import StepWork, adamw_step, commit, new_adamw_state, stage_momentum, staged_state
+from titan_muon.demo_step import Replicas, check_groups, demo_settings
 from titan_muon.exchange import ExchangeEngine, MemoryAccount, StepFailure, agree_on_success
 from titan_muon.orthogonalizer import NS_WORKSPACE, Orthogonalizer
 from titan_muon.overlap import BackwardOverlap
@@ -42,7 +47,7 @@ from titan_muon.redistribute import Batch, local_piece
 from titan_muon.split import RowBlocks
 from titan_muon.state import momentum_storage
 from titan_muon.timing import StepTimer, phase
-from titan_muon.transport import Transport, outbound_lane_group
+from titan_muon.transport import AcrossReplicas, Transport, outbound_lane_group
 from titan_muon.update import nesterov_input, nesterov_input_and_momentum
 from titan_muon.verdict import Verdict, agree_on_gradients
 
@@ -69,7 +74,12 @@ class Muon(Optimizer):
         momentum_dtype: "fp32", "bf16" or "fp8" (state.py);
         overlap: momentum on the owners, gradients sent during backward (overlap.py);
         pipeline_group: this rank's pipeline: a non-finite gradient in any stage raises or
-            skips in every stage (TorchTitan's container passes it).
+            skips in every stage (TorchTitan's container passes it);
+        demo: DeMo across replicas (docs/demo.md): each replica keeps its own momentum and the
+            replicas exchange only its top ``demo_topk`` DCT coefficients per ``demo_chunk`` ×
+            ``demo_chunk`` chunk, subtracting ``demo_alpha`` × what was sent; needs
+            ``replicate_group`` (this rank and its counterparts in the other replicas, FSDP2
+            applied on the shard mesh only), ``nesterov=False`` and fp32 momentum.
     """
 
     def __init__(
@@ -99,8 +109,15 @@ class Muon(Optimizer):
         momentum_dtype: str = "fp32",
         adamw_implementation: str = "fused",
         pipeline_group=None,
+        demo: bool = False,
+        demo_chunk: int = demo.DEFAULT_CHUNK,
+        demo_topk: int = demo.DEFAULT_TOPK,
+        demo_alpha: float = demo.DEFAULT_ALPHA,
+        replicate_group=None,
     ):
         settings.check_options(ns_dtype, comm_dtype, nonfinite_grads, adamw_implementation)
+        self.demo = demo_settings(demo, demo_chunk, demo_topk, demo_alpha, replicate_group, momentum_dtype=momentum_dtype, overlap=overlap)
+        self.replicate_group = replicate_group
         self.exchange_memory_mb, self.rounds_in_flight = settings.exchange_memory(
             exchange_memory_mb, bucket_size_mb, rounds_in_flight, buckets_in_flight
         )
@@ -145,6 +162,8 @@ class Muon(Optimizer):
         comm = self.comm_dtype_setting
         self.comm_dtype = self.ns_dtype if comm == "auto" else settings.resolve_dtype(comm, "comm_dtype", self.device)
         self.newton_schulz = Orthogonalizer(lambda: self.param_groups, self.ns_dtype, self.device)
+        if self.demo is not None:
+            check_groups(self.param_groups)
         self.muon_params: list[MuonParam] = []
         self._names = [self.param_name(gi, pi) for gi, g in enumerate(self.param_groups) for pi in range(len(g["params"]))]
         for gi, group in enumerate(self.param_groups):
@@ -177,8 +196,14 @@ class Muon(Optimizer):
             alone = Transport(None, self.device)
             plan = build_plan(units[None], shardings, 1, round_bytes, self._unit_flops, owner_bytes)
             self.engines.append(ExchangeEngine(plan, rank_tables(plan, shardings, 0), alone, alone, self.rounds_in_flight))
-        self.owner_momentum = self.overlap and bool(self.sharded_engines)
-        self._overlaps = [BackwardOverlap(self.muon_params, e) if self._owners_hold(e) else None for e in self.engines]
+        self.owner_momentum = (self.overlap and bool(self.sharded_engines)) or self.demo is not None
+        self._overlaps = [BackwardOverlap(self.muon_params, e) if self.overlap and self._owners_hold(e) else None for e in self.engines]
+        self.replicas = None
+        if self.demo is not None:  # after the plans: every replica must have made the same ones
+            self.replicas = Replicas(self.demo, self.replicate_group, self.device)
+            self.transport = AcrossReplicas(self.transport, self.replicas.transport)
+            params = [p for g in self.param_groups for p in g["params"]]
+            self.replicas.check_consistent(params, self._names, hash(tuple(e.plan.fingerprint() for e in self.engines)))
         self._layout_ready = True
 
     def _ensure_state(self) -> None:
@@ -190,12 +215,14 @@ class Muon(Optimizer):
                         self.state[p].update(new_adamw_state(p, self.adamw_implementation))
         for entry in self.muon_params:
             state = self.state[entry.param]
-            if self.owner_momentum and entry.sharding is not None:  # momentum on the owners
+            if self._on_owner(entry):  # momentum on the owners
                 for key, value in self.storage.placeholders(self.device).items():
                     state.setdefault(key, value)
             elif not state:
                 state.update(self.storage.create(entry.param))
-        for s, engine in enumerate(self.sharded_engines if self.owner_momentum else []):
+        for s, engine in enumerate(self.engines):
+            if not self._owners_hold(engine):
+                continue
             for u in engine.owned_units():
                 if (s, u) not in self.owner_blocks:
                     unit = engine.units[u]
@@ -222,6 +249,10 @@ class Muon(Optimizer):
             self._set_metrics({"muon/skipped_steps": float(self.skipped_steps)})
             return loss
         failure, work = StepFailure(), StepWork()
+        if self.replicas is not None:
+            self.replicas.begin_step()
+            with phase("demo_adamw_average"):
+                self.replicas.average_adamw_gradients(self.param_groups)
         self._exchange(verdict, failure, timer, work)
         with phase("stage_commit"):
             self._stage_commit(verdict, failure, work)
@@ -234,8 +265,9 @@ class Muon(Optimizer):
         timer.stop("step")
         momentum = [self.state[e.param] for e in self.muon_params] + list(self.owner_blocks.values())
         per_element = momentum_bytes_per_element(momentum, self.storage.tensor_keys[0])
+        demo_metrics = self.replicas.metrics() if self.replicas is not None else {}
         self._set_metrics({**step_metrics(work, timer, self.engines, self.skipped_steps), **overlap_metrics(verdict.early),
-                           "muon/momentum_bytes_per_element": per_element})  # fmt: skip
+                           "muon/momentum_bytes_per_element": per_element, **demo_metrics})  # fmt: skip
         return loss
 
     def _align_gradients(self) -> None:
@@ -247,8 +279,13 @@ class Muon(Optimizer):
                     p.grad = p.grad.redistribute(p.device_mesh, p.placements)
 
     def _owners_hold(self, engine: ExchangeEngine) -> bool:
-        """Whether `engine`'s owners hold its matrices' momentum (overlap), so raw gradients travel."""
-        return self.owner_momentum and engine in self.sharded_engines
+        """Whether `engine`'s owners hold its matrices' momentum (overlap; DeMo: every engine,
+        the one-rank one included), so raw gradients travel."""
+        return self.demo is not None or (self.owner_momentum and engine in self.sharded_engines)
+
+    def _on_owner(self, entry: MuonParam) -> bool:
+        """Whether a parameter's momentum lives on its matrices' owners."""
+        return self.demo is not None or (self.owner_momentum and entry.sharding is not None)
 
     def _exchange(self, verdict: Verdict, failure: StepFailure, timer: StepTimer, work: StepWork) -> None:
         """Every rank set's rounds; last, the matrices this rank holds whole (a one-rank exchange)."""
@@ -271,6 +308,7 @@ class Muon(Optimizer):
                 orthogonalize=lambda r, batches, s=s, scales=scales: self._orthogonalize_owned(s, r, batches, scales, verdict, timer, work),
                 key_of=lambda u, engine=engine: self._ns_key(engine.units[u]),
                 arrived=early.arrived if early is not None else None,
+                settle=(lambda r, s=s, engine=engine: self.replicas.settle(s, r, engine)) if self.replicas is not None else None,
             )  # fmt: skip
 
     def _matrix_to_send(self, entry: MuonParam, piece: Piece, verdict: Verdict, momenta: dict[int, Tensor], out: Tensor,
@@ -280,7 +318,7 @@ class Muon(Optimizer):
         p = entry.param
         if id(p) in verdict.skipped:
             out.zero_()
-        elif self.owner_momentum and entry.sharding is not None:
+        elif self._on_owner(entry):
             out.copy_(local_piece(entry.stack(p.grad), piece))
         else:
             if entry.index not in momenta:
@@ -297,11 +335,7 @@ class Muon(Optimizer):
     def _orthogonalize_owned(self, s: int, r: int, batches: list[Batch], scales: dict, verdict: Verdict, timer: StepTimer,
                              work: StepWork) -> dict[int, Tensor]:  # fmt: skip
         results: dict[int, Tensor] = {}
-        for batch in batches:
-            matrices = batch.matrices
-            if self._owners_hold(self.engines[s]):
-                with phase("owner_momentum"):
-                    matrices = self._owner_nesterov(s, batch.units, matrices, scales.get(r, {}), verdict, work)
+        for batch, matrices in zip(batches, self._owner_inputs(s, r, batches, scales, verdict, work)):
             workspace = int(NS_WORKSPACE[self.ns_dtype] * matrices.numel() * 4)
             work.memory.add(workspace)
             out = self.newton_schulz(batch.key, matrices, timer, work)
@@ -309,6 +343,19 @@ class Muon(Optimizer):
             work.memory.add(out.numel() * out.element_size())  # until the return buffer is packed (engine frees it)
             results.update(zip(batch.units, out.unbind(0)))
         return results
+
+    def _owner_inputs(self, s: int, r: int, batches: list[Batch], scales: dict, verdict: Verdict, work: StepWork) -> list[Tensor]:
+        """What Newton–Schulz gets for each batch: DeMo's average of the replicas' compressed
+        momentum, the owners' Nesterov input, or (momentum on the shards) the matrices as they arrived."""
+        engine = self.engines[s]
+        if self.replicas is not None:
+            with phase("demo"):
+                return self.replicas.round_inputs(s, r, engine, batches, self.owner_blocks, self.muon_params, verdict.skipped,
+                                                  self.storage, work)  # fmt: skip
+        if self._owners_hold(engine):
+            with phase("owner_momentum"):
+                return [self._owner_nesterov(s, b.units, b.matrices, scales.get(r, {}), verdict, work) for b in batches]
+        return [b.matrices for b in batches]
 
     def _owner_nesterov(self, s: int, units: list[int], gradients: Tensor, scales: dict[int, float], verdict: Verdict,
                         work: StepWork) -> Tensor:  # fmt: skip
@@ -342,8 +389,7 @@ class Muon(Optimizer):
 
     def _sharded_momentum(self, verdict: Verdict) -> list[MuonParam]:
         """Parameters with a gradient whose momentum this rank holds as its own block."""
-        owners_hold = self.owner_momentum
-        return [e for e in self.muon_params if id(e.param) not in verdict.skipped and not (owners_hold and e.sharding is not None)]
+        return [e for e in self.muon_params if id(e.param) not in verdict.skipped and not self._on_owner(e)]
 
     def _stage_commit(self, verdict: Verdict, failure: StepFailure, work: StepWork) -> None:
         if failure.error is not None:
@@ -357,7 +403,7 @@ class Muon(Optimizer):
         commit(self.storage, self._sharded_momentum(verdict), self.state, self.param_groups, work)
         if self.owner_momentum:
             for entry in self.muon_params:
-                if entry.sharding is not None and id(entry.param) not in verdict.skipped and "step" in self.state[entry.param]:
+                if self._on_owner(entry) and id(entry.param) not in verdict.skipped and "step" in self.state[entry.param]:
                     self.state[entry.param]["step"] += 1  # its blocks count their stores the same way
 
     # ---------------------------------------------------------------- metrics
@@ -381,7 +427,8 @@ class Muon(Optimizer):
     # ------------------------------------------------------------ checkpoints
 
     _CARRIED = ("exchange_memory_mb", "rounds_in_flight", "ns_dtype_setting", "comm_dtype_setting", "nonfinite_grads",
-                "row_blocks", "overlap", "adamw_implementation", "storage", "skipped_steps", "owner_blocks", "pipeline_group")  # fmt: skip
+                "row_blocks", "overlap", "adamw_implementation", "storage", "skipped_steps", "owner_blocks", "pipeline_group",
+                "demo", "replicate_group")  # fmt: skip
 
     def __getstate__(self) -> dict:
         return {**super().__getstate__(), **{key: self.__dict__[key] for key in self._CARRIED}}

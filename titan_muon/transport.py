@@ -105,6 +105,19 @@ class Transport:
             dist.all_reduce(tensor, op=op, group=self.group)
         return tensor
 
+    def all_gather(self, send: Tensor) -> Tensor:
+        """Every rank's `send` (1-D, the same size everywhere), as (world_size, numel), in rank
+        order; blocks until done. Counted as a ring all-gather: every rank sends and receives
+        (world_size − 1) blocks."""
+        if self.group is None:
+            return send.reshape(1, -1)
+        out = torch.empty(self.world_size * send.numel(), dtype=send.dtype, device=self.device)
+        dist.all_gather_single(out, send.contiguous(), group=self.group)
+        nbytes = (self.world_size - 1) * send.numel() * send.element_size()
+        self.bytes_sent += nbytes
+        self.bytes_received += nbytes
+        return out.view(self.world_size, -1)
+
     def check_same_everywhere(self, value: int, what: str) -> None:
         """Raise the same error on every rank unless all ranks pass the same 63-bit `value`.
 
@@ -148,3 +161,19 @@ def cached_group(cache: dict[tuple[int, ...], dist.ProcessGroup], ranks: tuple[i
     if group is None:
         group = cache[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
     return group
+
+
+class AcrossReplicas(Transport):
+    """The step's agreements when the optimizer owns a replicate dimension (DeMo): an all-reduce
+    over ``within`` (one replica's ranks) and then over ``replicas`` (this rank and the ranks at
+    the same place in the other replicas) reduces over every rank of every replica, so every
+    replica reaches the same verdict. ``rank`` is the global rank (unique, for error messages)."""
+
+    def __init__(self, within: Transport, replicas: Transport):
+        super().__init__(replicas.group, replicas.device)
+        self.within, self.replicas = within, replicas
+        self.world_size = within.world_size * replicas.world_size
+        self.rank = dist.get_rank()
+
+    def all_reduce(self, tensor: Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> Tensor:
+        return self.replicas.all_reduce(self.within.all_reduce(tensor, op), op)

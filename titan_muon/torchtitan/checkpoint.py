@@ -132,14 +132,26 @@ def compare_optimizer_state(saved: Metadata, expected: dict[str, Any], path: str
         if isinstance(meta, TensorStorageMetadata) and isinstance(value, torch.Tensor):
             if meta.properties.dtype != value.dtype:
                 problems.append(f"{key}: saved as {meta.properties.dtype}, this run keeps {value.dtype}")
+            elif tuple(meta.size) != tuple(value.shape):
+                problems.append(f"{key}: saved with shape {tuple(meta.size)}, this run keeps {tuple(value.shape)}{_replica_hint(meta.size, value.shape)}")
     if problems:
         shown = "\n  ".join(problems[:8]) + (f"\n  ... and {len(problems) - 8} more" if len(problems) > 8 else "")
         raise CheckpointError(
             f"checkpoint {path} was written with a different optimizer setup than this run "
-            "([optimizer] name, adamw_patterns / muon_patterns, or a state dtype changed):\n  "
+            "([optimizer] name, adamw_patterns / muon_patterns, a state dtype, or DeMo's replicas changed):\n  "
             f"{shown}\nRestore the old [optimizer] settings, or pass --checkpoint.exclude_from_loading "
             "optimizer,lr_scheduler to keep the weights and start the optimizer fresh."
         )
+
+
+def _replica_hint(saved: tuple, current: tuple) -> str:
+    """With [optimizer] demo = true Muon's momentum is saved per replica, (replicas, *shape)."""
+    saved, current = tuple(saved), tuple(current)
+    if len(saved) == len(current) and saved[1:] == current[1:]:
+        return f" (with [optimizer] demo = true: momenta of {saved[0]} replicas, this run has {current[0]}; a new replica has no momentum of its own to resume)"
+    if saved == current[1:] or saved[1:] == current:
+        return " (saved with [optimizer] demo switched the other way: per-replica momenta vs one momentum)"
+    return ""
 
 
 def compare_model(saved: Metadata, expected: dict[str, Any], path: str) -> None:

@@ -12,6 +12,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args, get_type_hints
 
+from titan_muon import demo as demo_math
 from titan_muon.settings import ADAMW_IMPLEMENTATIONS
 
 OPTIMIZER_NAMES = ("Muon", "AdamW", "Adam")
@@ -64,6 +65,15 @@ class Optimizer:
     """Share of the clip put on the query side (MHA; MLA's q_nope / k_nope)."""
     nonfinite_grads: Literal["raise", "skip"] = "raise"
     """What to do with a NaN/inf gradient: "raise" on every rank, or "skip" the step."""
+    demo: bool = False
+    """DeMo across replicas (docs/demo.md): each data_parallel_replicate replica keeps its own
+    momentum and the replicas exchange only its top demo_topk DCT coefficients per demo_chunk ×
+    demo_chunk chunk instead of all-reducing gradients. Needs data_parallel_replicate_degree >= 2
+    and nesterov = false; momentum is DeMo's β (the paper used 0.999)."""
+    demo_chunk: int = demo_math.DEFAULT_CHUNK
+    demo_topk: int = demo_math.DEFAULT_TOPK
+    demo_alpha: float = demo_math.DEFAULT_ALPHA
+    """Share of what was sent that is subtracted from the momentum (error feedback)."""
 
     adamw_lr: float | None = None
     """lr of the AdamW groups (embeddings, output head, norms); None = optimizer.lr."""
@@ -128,7 +138,7 @@ def validate_optimizer_config(config: Any) -> None:
         fail("qk_clip_tau", "a positive number")
     if not _is_number(config.qk_clip_alpha) or not 0 <= config.qk_clip_alpha <= 1:
         fail("qk_clip_alpha", "in [0, 1]")
-    for key in ("nesterov", "overlap", "qk_clip"):
+    for key in ("nesterov", "overlap", "qk_clip", "demo"):
         if not isinstance(getattr(config, key), bool):
             fail(key, "true or false")
     if config.qk_clip and config.name != "Muon":
@@ -163,7 +173,24 @@ def validate_optimizer_config(config: Any) -> None:
         value = getattr(config, key)
         if value is not None and (not _is_number(value) or value < 0):
             fail(key, "a non-negative number or unset")
+    if config.demo:
+        _validate_demo(config, fail)
     for key in ("adamw_patterns", "muon_patterns"):
         patterns = getattr(config, key)
         if not isinstance(patterns, list) or not all(isinstance(p, str) for p in patterns):
             fail(key, "a list of strings")
+
+
+def _validate_demo(config: Any, fail) -> None:
+    if config.name != "Muon":
+        raise ValueError(f'[optimizer] demo = true needs name = "Muon", got name = {config.name!r}')
+    try:
+        demo_math.validate_settings(config.demo_chunk, config.demo_topk, config.demo_alpha)
+    except ValueError as error:
+        raise ValueError(f"[optimizer] {error}") from None
+    if config.nesterov:
+        raise ValueError("[optimizer] demo = true needs nesterov = false: DeMo orthogonalizes the replicas' average as it is")
+    if config.overlap:
+        raise ValueError("[optimizer] demo = true does not support overlap = true yet")
+    if config.momentum_dtype != "fp32":
+        fail("momentum_dtype", '"fp32" with demo = true (the momentum is DeMo\'s error feedback)')

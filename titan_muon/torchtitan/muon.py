@@ -36,6 +36,10 @@ def muon_kwargs(config: Any) -> dict[str, Any]:
         buckets_in_flight=config.buckets_in_flight,
         nonfinite_grads=config.nonfinite_grads,
         overlap=config.overlap,
+        demo=config.demo,
+        demo_chunk=config.demo_chunk,
+        demo_topk=config.demo_topk,
+        demo_alpha=config.demo_alpha,
     )
 
 

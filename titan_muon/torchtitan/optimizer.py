@@ -31,6 +31,7 @@ from titan_muon.torchtitan.muon import (  # noqa: F401
     param_group_kwargs,
 )
 from titan_muon.torchtitan.qk_clip import build_model_part_qk_clips
+from titan_muon.torchtitan.replicas import check_replicas
 
 
 class MuonOptimizersContainer(OptimizersContainer):
@@ -42,6 +43,9 @@ class MuonOptimizersContainer(OptimizersContainer):
         pipeline = parallel_dims is not None and parallel_dims.pp_enabled
         # a non-finite gradient in any stage raises or skips in every stage
         stages = {"pipeline_group": parallel_dims.get_mesh("pp").get_group()} if pipeline else {}
+        if config.demo:  # the optimizer owns the replicate dimension (FSDP2 runs on the fsdp mesh only)
+            check_replicas(parallel_dims)
+            stages["replicate_group"] = parallel_dims.get_mesh("dp_replicate").get_group()
         self.optimizers = [self._build(model, config, {**kwargs, **stages}, pipeline) for model in model_parts]
         self._validate_length(len(model_parts))
         params = [p for model in model_parts for p in model.parameters() if p.requires_grad]

@@ -1,8 +1,9 @@
 """The train specs ``titan_muon_llama3`` and ``titan_muon_mla``.
 
-Each is torchtitan's own spec (``llama3``, ``deepseek_v3``) with five swaps: our optimizer
-builder, our metrics processor, the offline tokenizer, a few extra small model flavors, and
-under pipeline parallel a loss whose gradient is normalized (pipeline.py).
+Each is torchtitan's own spec (``llama3``, ``deepseek_v3``) with six swaps: our optimizer
+builder, our metrics processor, the offline tokenizer, a few extra small model flavors,
+under pipeline parallel a loss whose gradient is normalized (pipeline.py), and with
+``[optimizer] demo = true`` FSDP2 on each replica's shard mesh only (replicas.py).
 ``titan_muon_mla`` keeps torchtitan's MoE expert-bias load balancing for every optimizer,
 Muon included.
 Select one with ``[model] name = "titan_muon_llama3"`` and
@@ -21,6 +22,7 @@ from titan_muon.torchtitan.data import build_tokenizer
 from titan_muon.torchtitan.metrics import build_metrics_processor
 from titan_muon.torchtitan.optimizer import build_optimizers, build_optimizers_with_moe_load_balancing
 from titan_muon.torchtitan.pipeline import pipeline_loss_builder
+from titan_muon.torchtitan.replicas import parallelize_for_demo
 
 LLAMA3_FLAVORS = {
     # Grouped-query attention: 8 query heads share 2 key/value heads.
@@ -78,6 +80,7 @@ def _with_titan_muon(base: TrainSpec, extra_flavors: dict, build_optimizers_fn) 
         build_tokenizer_fn=_tokenizer_for(model_args),
         build_metrics_processor_fn=build_metrics_processor,
         build_loss_fn=pipeline_loss_builder(base.build_loss_fn),
+        parallelize_fn=parallelize_for_demo(base.parallelize_fn),
     )
 
 

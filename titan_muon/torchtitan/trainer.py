@@ -22,6 +22,7 @@ from titan_muon.torchtitan.checkpoint import check_before_resume, checkpoint_io_
 from titan_muon.torchtitan.config import validate_optimizer_config
 from titan_muon.torchtitan.pipeline import check_pipeline_loss, set_global_valid_tokens
 from titan_muon.torchtitan.qk_clip import record_only_stage_forwards
+from titan_muon.torchtitan.replicas import replica_tokens
 
 
 def check_restarts_can_rendezvous(environ: Mapping[str, str] = os.environ) -> None:
@@ -55,10 +56,12 @@ class Trainer(TorchTitanTrainer):
             cpu.force_sum_reductions(self.model_parts)
 
     def forward_backward_step(self, *, input_dict, labels, global_valid_tokens):
-        set_global_valid_tokens(self.loss_fn, global_valid_tokens)  # for the pipeline schedule's backward
-        return super().forward_backward_step(
-            input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens
-        )
+        # With DeMo every replica's gradient is its own: divided by the tokens / R (replicas.py).
+        tokens, loss_factor = replica_tokens(global_valid_tokens, self.job_config, self.parallel_dims)
+        set_global_valid_tokens(self.loss_fn, tokens)  # for the pipeline schedule's backward
+        loss = super().forward_backward_step(input_dict=input_dict, labels=labels, global_valid_tokens=tokens)
+        placeholder = self.parallel_dims.pp_enabled and not self.pp_has_last_stage  # -1 on other stages
+        return loss if loss_factor == 1.0 or placeholder else loss * loss_factor
 
     def train(self):
         check_before_resume(self.checkpointer, self.job_config.checkpoint)

@@ -1,0 +1,307 @@
+"""DeMo inside Muon's step: the owners' part, the agreement across replicas, AdamW's average.
+
+With ``Muon(..., demo=True, replicate_group=...)`` the optimizer owns the replicate
+dimension: FSDP2 runs on one replica's shard mesh only, so every replica arrives at ``step()``
+with its own gradients (docs/demo.md). Muon's exchange assembles each whole raw gradient on
+its owner inside the replica, as with momentum on the owners (overlap.py), and there, per
+round and per batch of equal-shape matrices (:meth:`Replicas.round_inputs`):
+
+    M ← βM + g; payload = top-k of chunk DCTs of M; M ← M − α·decode(payload)   demo.local_step_
+    one all-gather of the round's payloads over the replicate group
+    q = mean over replicas of decode(payload_r)                                   demo.average_decoded
+
+q goes on to Newton–Schulz, and the update back through the exchange's return trip. The plan
+is the same in every replica, so the owner of a matrix sits at the same place in each, and the
+replicate group (the ranks at one place) is exactly that matrix's owners. The new momentum is
+staged and swapped in at the commit, like every other state change.
+
+Collectives across replicas must match even when a rank fails: every owner gathers once per
+round in which it owns matrices, with a zero payload after a local failure (:meth:`settle`),
+and the step's two agreements run over all replicas (transport.AcrossReplicas), so a failure
+or a non-finite gradient anywhere stops or skips the step in every replica alike.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from titan_muon import demo
+from titan_muon.commit import staged_state
+from titan_muon.exchange import ExchangeEngine
+from titan_muon.redistribute import Batch
+from titan_muon.transport import Transport
+from titan_muon.update import local_shard
+
+# The paper found larger β clearly better with its error feedback (0.995–0.999; it used 0.999).
+SMALL_BETA_WARNING = 0.99
+
+
+@dataclass(frozen=True)
+class DemoSettings:
+    chunk: int = demo.DEFAULT_CHUNK
+    topk: int = demo.DEFAULT_TOPK
+    alpha: float = demo.DEFAULT_ALPHA
+
+
+def demo_settings(enabled, chunk, topk, alpha, replicate_group, *, momentum_dtype: str, overlap: bool) -> DemoSettings | None:
+    """The settings of ``Muon(demo=...)``, or None when off; ValueError naming the option otherwise."""
+    if not isinstance(enabled, bool):
+        raise ValueError(f"titan_muon.Muon: demo must be True or False, got {enabled!r}")  # noqa: TRY004 - a bad option value
+    if not enabled:
+        if replicate_group is not None:
+            raise ValueError("titan_muon.Muon: replicate_group is only used with demo=True (DeMo owns the replicate dimension)")
+        return None
+    try:
+        demo.validate_settings(chunk, topk, alpha)
+    except ValueError as error:
+        raise ValueError(f"titan_muon.Muon: {error}") from None
+    replicas = dist.get_world_size(replicate_group) if replicate_group is not None and dist.is_initialized() else 1
+    if replicas < 2:
+        raise ValueError(
+            "titan_muon.Muon: demo=True needs replicate_group, a process group over this rank and the ranks at the "
+            f"same place in the other replicas, with at least 2 ranks (got {'None' if replicate_group is None else replicas}); "
+            "FSDP2 must be applied on each replica's shard mesh only (docs/demo.md)"
+        )
+    if momentum_dtype != "fp32":
+        raise ValueError(
+            f"titan_muon.Muon: demo=True needs momentum_dtype='fp32', got {momentum_dtype!r}: DeMo's momentum is its "
+            "error feedback (what was not sent yet), which bf16/fp8 rounding would lose"
+        )
+    if overlap:
+        raise ValueError("titan_muon.Muon: demo=True does not support overlap=True yet (gradients are sent in step())")
+    return DemoSettings(chunk, topk, float(alpha))
+
+
+def check_groups(param_groups: list[dict]) -> None:
+    """Per Muon group: no Nesterov (DeMo orthogonalizes the replicas' average as it is), β in
+    [0, 1), and a warning when β is below the range the paper found to work."""
+    for index, group in enumerate(param_groups):
+        if not group["use_muon"]:
+            continue
+        if group["nesterov"]:
+            raise ValueError(
+                f"titan_muon.Muon: param group {index}: nesterov=True is not part of DeMo (it orthogonalizes the "
+                "average of what the replicas sent); pass nesterov=False with demo=True"
+            )
+        if group["momentum"] < SMALL_BETA_WARNING:
+            warnings.warn(
+                f"titan_muon.Muon: param group {index}: demo=True with momentum={group['momentum']}; the DeMo paper "
+                "used 0.999 and found 0.995-0.999 clearly better than smaller values with its error feedback",
+                UserWarning,
+                stacklevel=4,
+            )
+
+
+class Replicas:
+    """DeMo's traffic across replicas for one optimizer: the owners' payloads, AdamW's average."""
+
+    def __init__(self, settings: DemoSettings, group: dist.ProcessGroup, device: torch.device):
+        self.settings = settings
+        self.transport = Transport(group, device)
+        self.count = self.transport.world_size
+        self._meshes: dict[object, DeviceMesh] = {}
+        self.begin_step()
+
+    # ------------------------------------------------------------ construction
+
+    def check_consistent(self, params: list[Tensor], names: list[str], plan_fingerprint: int) -> None:
+        """Every replica has the same plan and settings and starts from the same parameters (one
+        all-reduce each, read once): a replica that differs would silently drift away."""
+        s = self.settings
+        self.transport.check_same_everywhere(hash((plan_fingerprint, s.chunk, s.topk, s.alpha)) & (2**62 - 1), "the DeMo plan or settings")
+        tensors = [local_shard(p) for p in params]
+        if not tensors or any(t.device.type == "meta" for t in tensors):
+            return
+        sums = []
+        for t in tensors:  # Σx and Σ(i+1)·x over the flat local block, in float64
+            flat = t.detach().reshape(-1).double()
+            weights = torch.arange(1, flat.numel() + 1, dtype=torch.float64, device=flat.device)
+            sums.append(torch.stack([flat.sum(), flat @ weights]) if flat.numel() else flat.new_zeros(2))
+        local = torch.cat(sums)
+        both = self.transport.all_reduce(torch.cat([local, -local]), dist.ReduceOp.MAX)
+        high, low = both[: local.numel()], -both[local.numel() :]
+        differ = (high != low).reshape(-1, 2).any(dim=1).tolist()
+        if any(differ):
+            first = names[differ.index(True)]
+            raise ValueError(
+                f"titan_muon.Muon: with demo=True parameters must start bit-identical in every replica, but {first!r} "
+                "differs between replicas; initialize every replica with the same seed (or broadcast from one)"
+            )
+
+    # ------------------------------------------------------------ the step
+
+    def begin_step(self) -> None:
+        self.exchanged: set[tuple[int, int]] = set()  # (rank set, round) whose payloads were exchanged
+        self.dense_bytes = 0  # what a dense all-reduce would have carried of those rounds' matrices
+        self.adamw_bytes = 0
+        self.transport.bytes_sent = self.transport.bytes_received = 0
+
+    def round_inputs(self, s: int, r: int, engine: ExchangeEngine, batches: list[Batch], owner_blocks: dict, params: list,
+                     skipped: set[int], storage, work) -> list[Tensor]:  # fmt: skip
+        """q for each of round r's batches (whole fp32 gradients on this owner), staging each
+        matrix's new momentum in ``work`` (kept as is for parameters in ``skipped``)."""
+        settings = self.settings
+        if not engine.tables[r].owned:  # nor does this place in any replica: no exchange
+            return []
+        try:
+            values, indices = [], []
+            for batch in batches:
+                units = [engine.units[u] for u in batch.units]
+                group = params[units[0].param].group
+                momentum = torch.stack([owner_blocks[(s, u)]["momentum_buffer"] for u in batch.units])  # new; the old stays
+                i, v = demo.local_step_(momentum, batch.matrices, group["momentum"], settings.chunk, settings.topk, settings.alpha)
+                for u, unit, new in zip(batch.units, units, momentum.unbind(0)):
+                    entry = params[unit.param]
+                    if id(entry.param) not in skipped:
+                        state = owner_blocks[(s, u)]
+                        first_row = unit.matrix * entry.param.shape[-2] + unit.row_start
+                        work.staged.append((state, staged_state(storage, state, new, unit.param, first_row, work.memory)))
+                values.append(v)
+                indices.append(i)
+            send = self._pack(values, indices, self._row_bytes(engine, r))
+        except BaseException:
+            self.settle(s, r, engine)  # the other replicas' owners wait for this round's payload
+            raise
+        gathered = self._exchange(s, r, engine, send)
+        work.memory.add(gathered.numel())  # freed once q is decoded (copies of blocks not counted)
+        # A replica's block starts at a multiple of the payload's size, which need not be a
+        # multiple of 4: such blocks are copied once so that the fp32 views are aligned.
+        gathered = [row if row.storage_offset() % 4 == 0 else row.clone() for row in gathered]
+        out, offsets = [], self._offsets(values, indices)
+        for batch, value, index, (v0, i0) in zip(batches, values, indices, offsets):
+            shape = tuple(batch.matrices.shape[1:])
+            vs = [row[v0 : v0 + value.numel() * 4].view(torch.float32).view(value.shape) for row in gathered]
+            ids = [row[i0 : i0 + index.numel() * index.element_size()].view(index.dtype).view(index.shape) for row in gathered]
+            out.append(demo.average_decoded(ids, vs, shape, settings.chunk, settings.topk))
+        work.memory.free(sum(row.numel() for row in gathered))
+        return out
+
+    def settle(self, s: int, r: int, engine: ExchangeEngine) -> None:
+        """Round r's exchange of payloads, with zeros, if this owner did not get to send its own."""
+        if (s, r) not in self.exchanged and engine.tables[r].owned:
+            self._exchange(s, r, engine, torch.zeros(self._row_bytes(engine, r), dtype=torch.uint8, device=engine.device))
+
+    def _exchange(self, s: int, r: int, engine: ExchangeEngine, send: Tensor) -> Tensor:
+        self.exchanged.add((s, r))
+        self.dense_bytes += sum(demo.dense_bytes(*engine.units[u].shape) for u in engine.tables[r].owned)
+        return self.transport.all_gather(send)
+
+    def _row_bytes(self, engine: ExchangeEngine, r: int) -> int:
+        """Bytes of one replica's payload of round r on this owner: every batch's fp32 values,
+        then every batch's indices (so all values start 4-byte aligned inside the payload)."""
+        s = self.settings
+        return sum(demo.payload_bytes(*engine.units[u].shape, s.chunk, s.topk) for u in engine.tables[r].owned)
+
+    @staticmethod
+    def _offsets(values: list[Tensor], indices: list[Tensor]) -> list[tuple[int, int]]:
+        """Byte offsets of each batch's values and indices in a packed payload."""
+        value_start, index_start = 0, sum(v.numel() * 4 for v in values)
+        offsets = []
+        for v, i in zip(values, indices):
+            offsets.append((value_start, index_start))
+            value_start += v.numel() * 4
+            index_start += i.numel() * i.element_size()
+        return offsets
+
+    @staticmethod
+    def _pack(values: list[Tensor], indices: list[Tensor], size: int) -> Tensor:
+        """One byte buffer: every batch's values, then every batch's indices."""
+        parts = [v.reshape(-1).view(torch.uint8) for v in values] + [i.reshape(-1).view(torch.uint8) for i in indices]
+        send = torch.cat(parts)
+        if send.numel() != size:
+            raise RuntimeError(f"DeMo payload of {send.numel()} bytes, expected {size} from the plan")
+        return send
+
+    # ------------------------------------------------------------ AdamW groups
+
+    def average_adamw_gradients(self, param_groups: list[dict]) -> None:
+        """AVG all-reduce of the AdamW groups' (local) gradients over the replicas, in place, one
+        collective per gradient dtype (SUM then 1/R: gloo has no AVG)."""
+        by_dtype: dict[torch.dtype, list[Tensor]] = {}
+        for group in param_groups:
+            if not group["use_muon"]:
+                for p in group["params"]:
+                    if p.grad is not None and local_shard(p.grad).numel():
+                        by_dtype.setdefault(p.grad.dtype, []).append(local_shard(p.grad))
+        for grads in by_dtype.values():
+            flat = self.transport.all_reduce(torch.cat([g.reshape(-1) for g in grads]))
+            flat.div_(self.count)
+            torch._foreach_copy_(grads, [part.view_as(g) for part, g in zip(flat.split([g.numel() for g in grads]), grads)])
+            self.adamw_bytes += flat.numel() * flat.element_size()
+
+    # ------------------------------------------------------------ checkpoints
+
+    def stacked(self, state: Tensor, param: Tensor) -> DTensor:
+        """A replica's state tensor laid out like `param` as its slice of an (R, *shape) DTensor:
+        ``Shard(0)`` over the replicas and the parameter's placements on the other dims, so DCP
+        saves every replica's own momentum (a replicated tensor it would save once)."""
+        if isinstance(param, DTensor):
+            mesh = self._mesh(param.device_mesh)
+            placements = (Shard(0), *(_shifted(p, param) for p in state.placements))
+        else:
+            mesh, placements = self._mesh(None), (Shard(0),)
+        shape = (self.count, *state.shape)
+        stride = tuple(int(torch.tensor(shape[i + 1 :]).prod()) for i in range(len(shape)))
+        return DTensor.from_local(local_shard(state).unsqueeze(0), mesh, placements, shape=torch.Size(shape), stride=stride)
+
+    def own_slice(self, stacked: Tensor, param: Tensor, name: str) -> Tensor:
+        """This replica's state laid out like `param`, from a loaded :meth:`stacked` tensor."""
+        if not isinstance(stacked, DTensor) or stacked.ndim != param.ndim + 1 or stacked.shape[1:] != param.shape:
+            raise ValueError(
+                f"titan_muon.Muon: the saved Muon state of {name!r} has shape {tuple(stacked.shape)}; with demo=True it "
+                f"is ({self.count}, {', '.join(map(str, param.shape))}): one momentum per replica (was it saved without demo?)"
+            )
+        if stacked.shape[0] != self.count:
+            raise ValueError(
+                f"titan_muon.Muon: the checkpoint holds the momenta of {stacked.shape[0]} replicas, this run has "
+                f"{self.count}: with demo=True every replica keeps its own momentum, and a changed number of "
+                "replicas has no exact meaning (whose momentum would a new replica take?). Resume with the same "
+                "data_parallel_replicate degree, or load the weights only."
+            )
+        local = stacked.to_local()[0]
+        if isinstance(param, DTensor):
+            return DTensor.from_local(local, param.device_mesh, param.placements, shape=param.shape, stride=param.stride())
+        return local
+
+    def _mesh(self, param_mesh: DeviceMesh | None) -> DeviceMesh:
+        """(replicas, *param_mesh's dims), its layout gathered over the replicas once."""
+        key = None if param_mesh is None else (tuple(param_mesh.mesh.reshape(-1).tolist()), param_mesh.mesh_dim_names)
+        if key not in self._meshes:
+            device_type = self.transport.device.type
+            if param_mesh is None:
+                self._meshes[key] = DeviceMesh.from_group(self.transport.group, device_type, mesh_dim_names=("demo_replica",))
+            else:
+                ranks = param_mesh.mesh.to(device=self.transport.device, dtype=torch.int64).reshape(-1)
+                layout = self.transport.all_gather(ranks).cpu().reshape(self.count, *param_mesh.mesh.shape)
+                groups = [self.transport.group, *(param_mesh.get_group(d) for d in range(param_mesh.ndim))]
+                names = param_mesh.mesh_dim_names or tuple(f"dim{d}" for d in range(param_mesh.ndim))
+                self._meshes[key] = DeviceMesh.from_group(groups, device_type, mesh=layout, mesh_dim_names=("demo_replica", *names))
+        return self._meshes[key]
+
+    # ------------------------------------------------------------ metrics
+
+    def metrics(self) -> dict[str, float]:
+        """This rank's bytes per step (docs/demo.md): ``demo/bytes_sent`` the all-gathers of its
+        owned matrices' payloads ((R − 1)·payload, ring), ``demo/bytes_dense`` what a ring
+        all-reduce of the same matrices' fp32 gradients would send (2(R − 1)/R · bytes), and
+        ``demo/adamw_bytes_sent`` the AdamW gradients' dense average (ring all-reduce, same model)."""
+        return {
+            "demo/bytes_sent": float(self.transport.bytes_sent),
+            "demo/bytes_dense": float(demo.allreduce_bytes_sent(self.dense_bytes, self.count)),
+            "demo/adamw_bytes_sent": float(demo.allreduce_bytes_sent(self.adamw_bytes, self.count)),
+        }
+
+
+def _shifted(placement, param: Tensor):
+    if isinstance(placement, Replicate):
+        return placement
+    if type(placement) is Shard:
+        return Shard(placement.dim + 1)
+    raise NotImplementedError(f"titan_muon.Muon: checkpoints with demo=True support Shard/Replicate placements, got {placement} for a parameter of shape {tuple(param.shape)}")
