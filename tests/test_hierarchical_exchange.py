@@ -232,7 +232,7 @@ def _muon_run(rank, world, per_node, steps):
             if hierarchical:
                 assert all(e.outbound.hierarchy is not None for e in opt.sharded_engines) and opt.sharded_engines
             for s in range(steps):
-                _loss(model, _batches(s).chunk(world)[rank]).backward()
+                _loss(model, _batches(s, batch=2 * world).chunk(world)[rank]).backward()
                 opt.step()
                 opt.zero_grad()
             metrics = opt.last_step_metrics
