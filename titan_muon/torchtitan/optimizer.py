@@ -47,6 +47,8 @@ def muon_kwargs(config: Any) -> dict[str, Any]:
         buckets_in_flight=config.buckets_in_flight,
         nonfinite_grads=config.nonfinite_grads,
         overlap=config.overlap,
+        hierarchical_exchange={"auto": "auto", "on": True, "off": False}[config.hierarchical_exchange],
+        ranks_per_node=config.ranks_per_node,
     )
 
 
