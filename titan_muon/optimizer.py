@@ -197,7 +197,7 @@ class Muon(Optimizer):
         layout = choose_layout(self.hierarchical_exchange, dist.get_process_group_ranks(group), ranks_per_node)
         flat = Transport(group, self.device)
         digest = hashlib.sha256(repr((plan.fingerprint(), layout)).encode()).digest()
-        flat.check_same_everywhere(int.from_bytes(digest[:8], "little") >> 1, "the Muon ownership plan or exchange layout")
+        flat.check_same_everywhere(int.from_bytes(digest[:8], "little") >> 1, "the Muon ownership plan")  # layout included
         if layout is None:
             tables = rank_tables(plan, shardings, flat.rank)
             return ExchangeEngine(plan, tables, Transport(outbound_lane_group(group), self.device), flat, self.rounds_in_flight)
@@ -410,6 +410,8 @@ class Muon(Optimizer):
 
     # ------------------------------------------------------------ checkpoints
 
+    hierarchical_exchange: bool | str = "auto"  # for copies of optimizers pickled before the option existed
+    ranks_per_node: int | None = None
     _CARRIED = ("exchange_memory_mb", "rounds_in_flight", "ns_dtype_setting", "comm_dtype_setting", "nonfinite_grads",
                 "row_blocks", "overlap", "adamw_implementation", "storage", "skipped_steps", "owner_blocks", "pipeline_group",
                 "hierarchical_exchange", "ranks_per_node")  # fmt: skip
