@@ -13,6 +13,7 @@
 The meta-device test of the peer counts at W = 64 is in tests/test_meta_device.py.
 """
 
+import itertools
 import random
 
 import pytest
@@ -276,3 +277,32 @@ def test_muon_step_is_bitwise_the_same_with_hierarchical_exchange(world, per_nod
                 _equal(on[name][key], off[name][key], f"rank {rank} {name} {key}")
             # relayed bytes travel twice (node, then rail): what the rank puts on the wire grows
             assert on[name]["bytes_sent"] >= off[name]["bytes_sent"]
+
+
+def test_tables_in_a_hierarchical_order_hold_the_same_pieces():
+    """The tables a hierarchical lane uses list the flat tables' pieces (same counts, same
+    pieces per peer) in the lanes' buffer orders, and the send counts the routes are built from
+    are the tables' own."""
+    from torch.distributed.tensor import Shard
+
+    from titan_muon.layout import RankGrid, sharding_of
+    from titan_muon.plan import Unit, build_plan, rank_tables, send_counts_by_round
+
+    world = 6
+    shapes = [(30, 64), (63, 64), (3, 256), (64, 30), (48, 48), (130, 70)] * 3
+    grid = RankGrid([(r,) for r in range(world)])
+    shardings = [sharding_of(s, (Shard(0),), (world,), grid) for s in shapes]
+    units = [Unit(p, 0, 0, rows, cols) for p, (rows, cols) in enumerate(shapes)]
+    plan = build_plan(units, shardings, world, round_bytes=30_000)
+    assert len(plan.rounds) > 1
+    layout = NodeLayout.of(list(range(world)), 2)
+    for rank in range(world):
+        flat = rank_tables(plan, shardings, rank)
+        ordered = rank_tables(plan, shardings, rank, layout.local_major(), layout.node_major())
+        assert send_counts_by_round(plan, shardings, rank) == tuple(t.send_counts for t in flat)
+        for f, o in zip(flat, ordered):
+            assert (f.send_counts, f.recv_counts, f.owned) == (o.send_counts, o.recv_counts, o.owned)
+            strip = lambda pieces: sorted((p.unit, p.peer, p.rows, p.cols, p.local) for p in pieces)  # noqa: E731
+            assert strip(f.outbound) == strip(o.outbound) and strip(f.inbound) == strip(o.inbound)
+            assert [layout.local_major()[p.peer] for p in o.outbound] == sorted(layout.local_major()[p.peer] for p in o.outbound)
+            assert [p.offset for p in o.outbound] == list(itertools.accumulate([0] + [p.numel for p in o.outbound]))[:-1]
