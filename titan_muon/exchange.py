@@ -10,6 +10,11 @@ rounds (plan.py). This module runs that traffic for ``step()``, the backward-ove
 * the **return lane**, the process group the parameters are sharded over (FSDP's own, idle
   during ``step()``), carries the updates back.
 
+Above 256 ranks on several nodes (``hierarchical_exchange``) each lane is instead a pair of
+communicators, over the rank's node and over its rail, and every trip runs in two stages with a
+relay between them (transport.py; docs/exchange.md, "W = 4096"); the rounds, owners and bytes
+of the plan stay the same.
+
 On NCCL each communicator is one in-order stream. With both directions on one communicator,
 round r + K's outbound trip would queue behind round r's return, which cannot finish before
 round r's owner has finished its Newton–Schulz: at most two owners would ever compute at once.
