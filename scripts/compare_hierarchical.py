@@ -21,6 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import torch._dynamo  # noqa: E402, F401 - imported once here, not by every forked worker's first DTensor
 from replay import replay
 from simulate_scale import CUDA_DEFAULTS, H100, adamw_params, models
 from step_trace import Collective, trace_rank
