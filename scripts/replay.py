@@ -13,7 +13,10 @@ Per rank there is a host clock, one compute stream and one in-order stream per c
   started it too (peers with zero bytes both ways are skipped), plus a latency per collective and
   per peer, plus its bytes over NVLink (peers on the node) or InfiniBand (other nodes), both at once;
 - ``Wait`` makes the compute stream wait for the collective's completion (``Work.wait()`` on
-  NCCL does not block the host).
+  NCCL does not block the host);
+- a hierarchical exchange's relay (events on the "relay" stream) runs on a second stream per
+  rank: it first waits for the compute work queued before it (``wait_stream``), then for its
+  first stage, regroups, and issues the second stage, while the compute stream goes on.
 
 Every rate is a field of ``Hardware`` with its source beside it.
 """
@@ -107,6 +110,7 @@ class _Rank:
         self.position = 0
         self.host = 0.0
         self.compute = 0.0
+        self.relay = 0.0  # the relay stream of hierarchical exchanges
         self.sequence: dict[tuple, int] = defaultdict(int)  # collectives issued per communicator
         self.keys: list[tuple] = []  # (communicator, sequence) of each of this rank's collectives
         self.result = RankResult()
@@ -134,7 +138,7 @@ class Replay:
                 raise RuntimeError(f"replay: the traces deadlock (a collective some rank never joins): {stuck}")
         for rank in self.ranks.values():
             ends = [self.ends[key][rank.trace.rank] for key in rank.keys]
-            rank.result.finish_s = max([rank.host, rank.compute, *ends])
+            rank.result.finish_s = max([rank.host, rank.compute, rank.relay, *ends])
         return {r: rank.result for r, rank in self.ranks.items()}
 
     def _advance(self, rank: _Rank) -> bool:
@@ -145,7 +149,10 @@ class Replay:
                 rank.host += hw.launch_s
                 result.host_busy_s += hw.launch_s
                 duration = hw.kernel_s(event)
-                rank.compute = max(rank.host, rank.compute) + duration
+                if event.stream == "relay":
+                    rank.relay = max(rank.host, rank.relay) + duration
+                else:
+                    rank.compute = max(rank.host, rank.compute) + duration
                 result.busy_s[event.phase] += duration
                 result.kernels += 1
             elif isinstance(event, Collective):
@@ -155,7 +162,8 @@ class Replay:
                     break  # the communicator's stream is still busy with a collective not yet resolved
                 rank.host += hw.collective_host_s
                 result.host_busy_s += hw.collective_host_s
-                ready = rank.compute if sequence == 0 else max(rank.compute, self.ends[previous][rank.trace.rank])
+                stream = rank.relay if event.stream == "relay" else rank.compute
+                ready = stream if sequence == 0 else max(stream, self.ends[previous][rank.trace.rank])
                 key = (event.comm, sequence)
                 rank.sequence[event.comm] += 1
                 rank.keys.append(key)
@@ -167,7 +175,10 @@ class Replay:
                 key = rank.keys[event.collective]
                 if key not in self.ends:
                     break
-                rank.compute = max(rank.compute, self.ends[key][rank.trace.rank])
+                if event.stream == "relay":  # after waiting for the compute stream's work so far
+                    rank.relay = max(rank.relay, rank.compute, self.ends[key][rank.trace.rank])
+                else:
+                    rank.compute = max(rank.compute, self.ends[key][rank.trace.rank])
             elif isinstance(event, HostRead):
                 rank.host = max(rank.host, rank.compute) + hw.host_read_s
                 result.host_busy_s += hw.host_read_s

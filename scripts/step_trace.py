@@ -12,6 +12,10 @@ mode records, in issue order, what the host hands to the device:
 - ``Wait``: the compute stream waits for a collective (``Work.wait()``; a synchronous call);
 - ``HostRead``: the host reads a device value (``.item()``, ``.tolist()``, a copy to the CPU).
 
+Kernels, collectives and waits carry the stream they are issued on: "compute", or "relay" for
+a hierarchical exchange's relay between its stages (titan_muon's ``relay`` phase), which on
+CUDA runs on a stream of its own.
+
 ``scripts/replay.py`` replays the traces of all ranks with CUDA stream and NCCL semantics.
 """
 
@@ -46,6 +50,7 @@ class Kernel:
     bytes: int
     dtype: torch.dtype
     phase: str
+    stream: str = "compute"
 
 
 @dataclass(frozen=True)
@@ -54,11 +59,13 @@ class Collective:
     kind: str
     sent: tuple[int, ...]  # bytes to each rank of the communicator, in its rank order
     received: tuple[int, ...]
+    stream: str = "compute"  # the stream the communicator's stream waits for when it is issued
 
 
 @dataclass(frozen=True)
 class Wait:
     collective: int  # index of the collective in this rank's trace
+    stream: str = "compute"  # the stream made to wait
 
 
 @dataclass(frozen=True)
@@ -80,11 +87,11 @@ class Trace:
 
 
 class _TracedWork:
-    def __init__(self, trace: Trace, index: int, work):
-        self.trace, self.index, self.work = trace, index, work
+    def __init__(self, trace: Trace, index: int, work, stream):
+        self.trace, self.index, self.work, self.stream = trace, index, work, stream
 
     def wait(self, *args, **kwargs):
-        self.trace.events.append(Wait(self.index))
+        self.trace.events.append(Wait(self.index, self.stream()))
         return True if self.work is None else self.work.wait(*args, **kwargs)
 
     def is_completed(self) -> bool:
@@ -98,6 +105,9 @@ class _Recorder(DeviceAudit):
         super().__init__("meta")
         self.trace = trace
         self.phases: list[str] = []
+
+    def stream(self) -> str:
+        return "relay" if "relay" in self.phases else "compute"
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -121,12 +131,13 @@ class _Recorder(DeviceAudit):
         formula = flop_registry.get(func._overloadpacket)
         flops = int(formula(*args, **kwargs, out_val=out)) if formula else 0
         dtype = tensors[0].dtype if tensors else torch.float32
-        return Kernel(str(func), flops, moved, dtype, self.phases[-1] if self.phases else "step")
+        return Kernel(str(func), flops, moved, dtype, self.phases[-1] if self.phases else "step", self.stream())
 
 
 @contextlib.contextmanager
-def _traced_collectives(trace: Trace):
-    """Record torch.distributed's collectives (titan_muon calls them through its transport)."""
+def _traced_collectives(trace: Trace, stream=lambda: "compute"):
+    """Record torch.distributed's collectives (titan_muon calls them through its transport);
+    `stream()` names the stream they are issued on."""
     ordinals: dict[object, tuple] = {}
     original_all_to_all, original_all_reduce = dist.all_to_all_single, dist.all_reduce
 
@@ -139,22 +150,22 @@ def _traced_collectives(trace: Trace):
     def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None,
                           async_op=False):  # fmt: skip
         comm = communicator(group)
-        index = trace.add_collective(Collective(comm, "all_to_all", tuple(input_split_sizes), tuple(output_split_sizes)))
+        index = trace.add_collective(Collective(comm, "all_to_all", tuple(input_split_sizes), tuple(output_split_sizes), stream()))
         work = original_all_to_all(output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
         if async_op:
-            return _TracedWork(trace, index, work)
-        trace.events.append(Wait(index))
+            return _TracedWork(trace, index, work, stream)
+        trace.events.append(Wait(index, stream()))
         return work
 
     def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
         comm = communicator(group or dist.group.WORLD)
         size = len(comm[0])
         nbytes = tensor.numel() * tensor.element_size()
-        index = trace.add_collective(Collective(comm, "all_reduce", (nbytes,) * size, (nbytes,) * size))
+        index = trace.add_collective(Collective(comm, "all_reduce", (nbytes,) * size, (nbytes,) * size, stream()))
         work = original_all_reduce(tensor, op=op, group=group, async_op=async_op)
         if async_op:
-            return _TracedWork(trace, index, work)
-        trace.events.append(Wait(index))
+            return _TracedWork(trace, index, work, stream)
+        trace.events.append(Wait(index, stream()))
         return work
 
     dist.all_to_all_single, dist.all_reduce = all_to_all_single, all_reduce
@@ -211,7 +222,7 @@ def trace_rank(rank: int, world: int, muon: list, adamw: list, shard_group: int 
                     p.grad = DTensor.from_local(torch.empty_like(p.to_local()), p.device_mesh, p.placements, run_check=False,
                                                 shape=p.shape, stride=p.stride())  # fmt: skip
                 recorder.trace = trace if step == 1 else Trace(rank)
-                with _traced_collectives(recorder.trace):
+                with _traced_collectives(recorder.trace, recorder.stream):
                     optimizer.step()
                 optimizer.zero_grad()
             recorder.trace = Trace(rank)  # reading the metrics is the logging step's sync, not the step's

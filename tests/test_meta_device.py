@@ -31,6 +31,7 @@ OPS_CASES = {
     "fp8-momentum": dict(momentum_dtype="fp8"),
     "overlap": dict(overlap=True),
     "split-heads": dict(row_blocks={"layers.*.wq": HEAD_DIM, "layers.*.wk": HEAD_DIM, "layers.*.wv": HEAD_DIM}),
+    "hierarchical": dict(hierarchical_exchange=True, ranks_per_node=2),
 }
 
 
@@ -109,6 +110,8 @@ CASES = {
     "skip-policy": dict(nonfinite_grads="skip"),
     "adamw-foreach": dict(adamw_implementation="foreach"),
     "adamw-for-loop": dict(adamw_implementation="for-loop"),
+    "hierarchical": dict(hierarchical_exchange=True, ranks_per_node=2),
+    "hierarchical-overlap": dict(hierarchical_exchange=True, ranks_per_node=2, overlap=True),
 }
 
 
@@ -212,3 +215,41 @@ def test_commit_allocates_nothing(case, monkeypatch):
         monkeypatch.setattr(optimizer_module, name, watched)
     _run(1, **CASES[case])
     assert recorded == [], f"the commit allocated: {sorted(set(recorded))}"
+
+
+def _peers_of_step(monkeypatch, layers, world, rank, **settings):
+    import torch.distributed as dist
+
+    seen: list[tuple[int, set[int]]] = []
+    original = dist.all_to_all_single
+
+    def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
+        ranks = dist.get_process_group_ranks(group)
+        me = dist.get_rank()
+        peers = {r for r, out, into in zip(ranks, input_split_sizes, output_split_sizes) if r != me and (out or into)}
+        seen.append((len(ranks), peers))
+        return original(output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
+
+    monkeypatch.setattr(dist, "all_to_all_single", all_to_all_single)
+    results, _, opt = _run(layers, world=world, rank=rank, **settings)
+    return results[0], seen, opt
+
+
+@pytest.mark.parametrize("rank", [0, 29, 63])
+def test_hierarchical_exchange_has_few_peers_at_64_ranks(rank, monkeypatch):
+    """W = 64 on 8 nodes of 8, Llama-3-8B shapes, 10 layers (70 matrices: every rank owns some):
+    every all-to-all of the step runs over a node or a rail (8 ranks), so a rank exchanges
+    bytes with its 7 node-mates and 7 rail peers, against 63 peers flat — and the step stays
+    device-clean (no host syncs beyond the two agreements, no host->device copies). "auto"
+    keeps 64 ranks flat (the threshold is 256)."""
+    (syncs, host_to_device, foreign, _), seen, opt = _peers_of_step(monkeypatch, 10, 64, rank, hierarchical_exchange=True,
+                                                                    ranks_per_node=8)  # fmt: skip
+    assert all(e.outbound.hierarchy is not None for e in opt.sharded_engines)
+    assert foreign == [] and host_to_device == 0 and syncs <= 2
+    assert seen and all(size == 8 for size, _ in seen)
+    node = set(range(rank // 8 * 8, rank // 8 * 8 + 8)) - {rank}
+    rail = set(range(rank % 8, 64, 8)) - {rank}
+    assert set().union(*(p for _, p in seen)) == node | rail  # 7 + 7 peers
+    _, flat_seen, flat_opt = _peers_of_step(monkeypatch, 10, 64, rank, ranks_per_node=8)  # "auto"
+    assert all(e.outbound.hierarchy is None for e in flat_opt.engines)
+    assert {size for size, _ in flat_seen} == {64} and len(set().union(*(p for _, p in flat_seen))) == 63

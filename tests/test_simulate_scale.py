@@ -3,6 +3,7 @@ NCCL semantics (scripts/replay.py), checked on hand-built traces whose timing fo
 rules alone, and on traces of the real step whose bytes and FLOPs are known independently."""
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -125,6 +126,21 @@ def test_a_collective_nobody_else_joins_is_reported():
         replay([Trace(0, [swap(comm, 2, 0, 10), Wait(0)]), Trace(1, [])], HW)
 
 
+def test_a_relay_waits_on_its_own_stream_and_the_compute_stream_goes_on():
+    """A hierarchical exchange's relay (wait for stage 1, regroup, stage 2) runs on the relay
+    stream: compute queued after it does not wait for stage 1."""
+    comm, rail = ((0, 1), 0), ((0, 1), 1)
+    relay_kernel = Kernel("gather", 0, int(1e9), torch.uint8, "relay", "relay")
+    traces = [Trace(r, [swap(comm, 2, r, 10**9), Wait(0, "relay"), relay_kernel, replace(swap(rail, 2, r, 10), stream="relay"),
+                        kernel(1.0), Wait(1)]) for r in (0, 1)]  # fmt: skip
+    results = replay(traces, HW)
+    stage_one = 1e-5 + 1e-6 + 10 * MS  # latency + 1 peer + 1 GB over NVLink
+    for r in (0, 1):
+        # the compute kernel ran right away; the relay's gather after stage 1, then stage 2
+        assert results[r].busy_s["step"] == pytest.approx(1 * MS)
+        assert results[r].finish_s == pytest.approx(stage_one + 1 * MS + 1e-5 + 1e-6 + 10 / 1e11)
+
+
 # ------------------------------------------------------------------ traces of the real step
 
 SHAPES = [(96, 64), (64, 96), (40, 64), (130, 70), (64, 64)]  # uneven rows on 4 ranks, both orientations
@@ -168,6 +184,31 @@ def test_traced_bytes_and_flops_are_the_steps(traces):
     # Newton–Schulz FLOPs: every matrix once, on one owner, 5 steps (torch's flop formulas, counted per mm).
     ns = sum(e.flops for t in traces for e in t.events if isinstance(e, Kernel) and e.phase == "newton_schulz")
     assert ns == sum(newton_schulz_flops(*s, 5) for s in SHAPES)
+
+
+def test_hierarchical_traces_match_and_replay():
+    """Hierarchical exchange (2 nodes of 2): every all-to-all runs over a node or a rail of 2 ranks,
+    on a node and a rail communicator per lane; the bytes match between ranks and the step's
+    metric; the relays run on the relay stream; the replay completes."""
+    muon = [(f"layers.{i}.w", shape) for i, shape in enumerate(SHAPES)]
+    traces = [trace_rank(r, 4, muon, [("norm", (64,))], comm_dtype="bf16", ns_dtype="bf16", hierarchical_exchange=True,
+                         ranks_per_node=2) for r in range(4)]  # fmt: skip
+    per_rank = [[e for e in t.events if isinstance(e, Collective) and e.kind == "all_to_all"] for t in traces]
+    for step in zip(*per_rank):
+        for c in step:
+            assert len(c.comm[0]) == 2
+    for r, collectives in enumerate(per_rank):
+        assert len({c.comm for c in collectives}) == 4  # node and rail, outbound and return lanes
+        assert {c.stream for c in collectives} == {"compute", "relay"}
+        for c in collectives:
+            for i, p in enumerate(c.comm[0]):
+                peer = per_rank[p][collectives.index(c)]
+                assert peer.comm == c.comm and peer.received[c.comm[0].index(r)] == c.sent[i]
+        traced = sum(sum(b for p, b in zip(c.comm[0], c.sent) if p != r) for c in collectives)
+        assert traced == traces[r].metrics["muon/bytes_sent"] > 0
+    assert any(isinstance(e, Kernel) and e.stream == "relay" for e in traces[0].events)
+    results = replay(traces, HW)
+    assert all(result.finish_s > 0 for result in results.values())
 
 
 def test_llama3_8b_on_8_ranks_is_close_to_its_bound():

@@ -35,6 +35,16 @@ def test_toml_and_cli_reach_the_optimizer_section():
     validate_optimizer_config(optimizer)
 
 
+def test_hierarchical_exchange_reaches_muon():
+    from titan_muon.torchtitan.optimizer import muon_kwargs
+
+    config = parse("--optimizer.hierarchical_exchange", "on", "--optimizer.ranks_per_node", "4").optimizer
+    validate_optimizer_config(config)
+    kwargs = muon_kwargs(config)
+    assert (kwargs["hierarchical_exchange"], kwargs["ranks_per_node"]) == (True, 4)
+    assert muon_kwargs(parse().optimizer)["hierarchical_exchange"] == "auto"
+
+
 def test_unknown_optimizer_key_is_named(tmp_path):
     toml = tmp_path / "bad.toml"
     toml.write_text(Path(MUON_TOML).read_text().replace("ns_steps = 5", "ns_step = 5"))
@@ -52,6 +62,8 @@ def test_unknown_optimizer_key_is_named(tmp_path):
         ('adamw_patterns = "layers.*"', "adamw_patterns"),
         ('name = "Lion"', "name"),
         ('implementation = "apex"', "implementation"),
+        ('hierarchical_exchange = "yes"', "hierarchical_exchange"),
+        ("ranks_per_node = 0", "ranks_per_node"),
     ],
 )
 def test_invalid_optimizer_value_is_named(tmp_path, line, key):

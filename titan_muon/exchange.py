@@ -10,6 +10,11 @@ rounds (plan.py). This module runs that traffic for ``step()``, the backward-ove
 * the **return lane**, the process group the parameters are sharded over (FSDP's own, idle
   during ``step()``), carries the updates back.
 
+Above 256 ranks on several nodes (``hierarchical_exchange``) each lane is instead a pair of
+communicators, over the rank's node and over its rail, and every trip runs in two stages with a
+relay between them (transport.py; docs/exchange.md, "W = 4096"); the rounds, owners and bytes
+of the plan stay the same.
+
 On NCCL each communicator is one in-order stream. With both directions on one communicator,
 round r + K's outbound trip would queue behind round r's return, which cannot finish before
 round r's owner has finished its Newton–Schulz: at most two owners would ever compute at once.
@@ -35,7 +40,7 @@ from torch import Tensor
 from titan_muon.plan import Piece, Plan, RoundTables, Unit
 from titan_muon.redistribute import Batch, assemble, disassemble, outbound_slots
 from titan_muon.timing import phase
-from titan_muon.transport import Exchange, Transport
+from titan_muon.transport import Exchange, Route, Transport
 
 
 @dataclass
@@ -96,11 +101,15 @@ Receive = Callable[[int, Piece, Tensor], None]  # round, outbound piece, its upd
 
 class ExchangeEngine:
     """Round trips for the units of one rank set: ``plan`` (owners and rounds, the same on every
-    rank of the set), ``tables`` (this rank's per-round tables), the two lanes."""
+    rank of the set), ``tables`` (this rank's per-round tables), the two lanes. With hierarchical
+    lanes, ``routes`` holds each round's :class:`~titan_muon.transport.Route` (both trips of a
+    round use it, the return trip backwards) and the tables are in the lanes' buffer orders."""
 
-    def __init__(self, plan: Plan, tables: tuple[RoundTables, ...], outbound: Transport, back: Transport, rounds_in_flight: int):
+    def __init__(self, plan: Plan, tables: tuple[RoundTables, ...], outbound: Transport, back: Transport, rounds_in_flight: int,
+                 routes: tuple[Route, ...] | None = None):  # fmt: skip
         self.plan, self.tables = plan, tables
         self.outbound, self.back = outbound, back
+        self.routes = routes
         self.rounds_in_flight = rounds_in_flight
         self.device = back.device
         self.bytes_to_owners = 0  # sent by run()'s outbound trips (self excluded), for the step's metrics
@@ -119,6 +128,16 @@ class ExchangeEngine:
 
     def owned_units(self) -> list[int]:
         return [u for tables in self.tables for u in tables.owned]
+
+    def route(self, r: int, send_counts: tuple[int, ...] | None = None) -> Route | None:
+        """Round `r`'s route (None for flat lanes), or None if `send_counts` (outbound sense) are
+        not the round's own: the transport then gathers the node-mates' counts itself."""
+        if self.routes is None or (send_counts is not None and send_counts != self.tables[r].send_counts):
+            return None
+        return self.routes[r]
+
+    def _relay_buffers(self, failure: StepFailure, where: str) -> Callable[[int], Tensor]:
+        return lambda nbytes: self.buffer(nbytes, torch.uint8, failure, where)
 
     # ------------------------------------------------------------------ one direction
 
@@ -147,7 +166,8 @@ class ExchangeEngine:
         recv = None
         if self.outbound.group is not None:  # a one-rank exchange receives its own buffer
             recv = self.buffer(tables.recv_numel * send.element_size(), torch.uint8, failure, f"allocating round {r}'s receive buffer")
-        exchange = self.outbound.all_to_all(send, tables.send_counts, tables.recv_counts, recv=recv)
+        exchange = self.outbound.all_to_all(send, tables.send_counts, tables.recv_counts, recv=recv, route=self.route(r),
+                                            allocate=self._relay_buffers(failure, f"allocating round {r}'s relay buffers"))  # fmt: skip
         memory.add(exchange.nbytes)
         return exchange
 
@@ -223,7 +243,9 @@ class ExchangeEngine:
             recv = None
             if self.back.group is not None:
                 recv = self.buffer(tables.send_numel * back.element_size(), torch.uint8, failure, f"allocating round {r}'s update buffer")
-            returning.append((r, self.back.all_to_all(back, tables.recv_counts, tables.send_counts, recv=recv)))
+            relay = self._relay_buffers(failure, f"allocating round {r}'s return relay buffers")
+            returning.append((r, self.back.all_to_all(back, tables.recv_counts, tables.send_counts, recv=recv, route=self.route(r),
+                                                      allocate=relay)))  # fmt: skip
             memory.add(returning[-1][1].nbytes)
             if len(returning) > self.rounds_in_flight:
                 held.append(self._receive(*returning.pop(0), receive, failure, memory))

@@ -26,9 +26,11 @@ computes what the one-process run computes.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
@@ -42,12 +44,12 @@ from titan_muon.overlap import BackwardOverlap
 from titan_muon.overlap import metrics as overlap_metrics
 from titan_muon.metrics import momentum_bytes_per_element, state_bytes, step_metrics
 from titan_muon.params import MuonParam, build_units, locate
-from titan_muon.plan import OVERLAP_MIN_ROUNDS, Piece, Unit, build_plan, rank_tables
+from titan_muon.plan import OVERLAP_MIN_ROUNDS, Piece, Unit, build_plan, rank_tables, send_counts_by_round
 from titan_muon.redistribute import Batch, local_piece
 from titan_muon.split import RowBlocks
 from titan_muon.state import momentum_storage
 from titan_muon.timing import StepTimer, phase
-from titan_muon.transport import AcrossReplicas, Transport, outbound_lane_group
+from titan_muon.transport import AcrossReplicas, Transport, build_route, choose_layout, lane_hierarchy, outbound_lane_group
 from titan_muon.update import nesterov_input, nesterov_input_and_momentum
 from titan_muon.verdict import Verdict, agree_on_gradients
 
@@ -80,6 +82,12 @@ class Muon(Optimizer):
             ``demo_chunk`` chunk, subtracting ``demo_alpha`` × what was sent; needs
             ``replicate_group`` (this rank and its counterparts in the other replicas, FSDP2
             applied on the shard mesh only), ``nesterov=False`` and fp32 momentum.
+        hierarchical_exchange: "auto" (default), True or False: run each rank set's
+            all-to-alls in two stages, within nodes and then across them along rails, so a rank
+            has (ranks per node − 1) + (nodes − 1) peers instead of W − 1; "auto" does so for
+            rank sets of more than 256 ranks on several nodes (docs/exchange.md, "W = 4096");
+        ranks_per_node: ranks of one node, numbered consecutively (None: torchrun's
+            LOCAL_WORLD_SIZE, else the visible GPU count on CUDA, else one node).
     """
 
     def __init__(
@@ -114,10 +122,14 @@ class Muon(Optimizer):
         demo_topk: int = demo.DEFAULT_TOPK,
         demo_alpha: float = demo.DEFAULT_ALPHA,
         replicate_group=None,
+        hierarchical_exchange: bool | str = "auto",
+        ranks_per_node: int | None = None,
     ):
         settings.check_options(ns_dtype, comm_dtype, nonfinite_grads, adamw_implementation)
+        settings.check_hierarchy(hierarchical_exchange, ranks_per_node)
         self.demo = demo_settings(demo, demo_chunk, demo_topk, demo_alpha, replicate_group, momentum_dtype=momentum_dtype, overlap=overlap)
         self.replicate_group = replicate_group
+        self.hierarchical_exchange, self.ranks_per_node = hierarchical_exchange, ranks_per_node
         self.exchange_memory_mb, self.rounds_in_flight = settings.exchange_memory(
             exchange_memory_mb, bucket_size_mb, rounds_in_flight, buckets_in_flight
         )
@@ -184,13 +196,9 @@ class Muon(Optimizer):
                 overlap.remove()
         self.engines: list[ExchangeEngine] = []
         for index, rank_set in enumerate(rank_sets):
-            back = Transport(rank_set.group, self.device)
-            plan = build_plan(units[index], shardings, back.world_size, round_bytes, self._unit_flops, owner_bytes,
-                              min_rounds=OVERLAP_MIN_ROUNDS if self.overlap else 1)
-            back.check_same_everywhere(plan.fingerprint(), "the Muon ownership plan")
-            tables = rank_tables(plan, shardings, back.rank)
-            outbound = Transport(outbound_lane_group(rank_set.group), self.device)
-            self.engines.append(ExchangeEngine(plan, tables, outbound, back, self.rounds_in_flight))
+            plan = build_plan(units[index], shardings, dist.get_world_size(rank_set.group), round_bytes, self._unit_flops,
+                              owner_bytes, min_rounds=OVERLAP_MIN_ROUNDS if self.overlap else 1)  # fmt: skip
+            self.engines.append(self._engine(rank_set.group, plan, shardings))
         self.sharded_engines = list(self.engines)
         if None in units:  # matrices this rank holds whole: a one-rank exchange, no collectives
             alone = Transport(None, self.device)
@@ -205,6 +213,28 @@ class Muon(Optimizer):
             params = [p for g in self.param_groups for p in g["params"]]
             self.replicas.check_consistent(params, self._names, hash(tuple(e.plan.fingerprint() for e in self.engines)))
         self._layout_ready = True
+
+    def _engine(self, group, plan, shardings) -> ExchangeEngine:
+        """The exchange engine of one rank set: flat lanes, or hierarchical ones (a node and a rail
+        communicator per lane, tables in their buffer orders, each round's route built from the
+        node-mates' send counts, which the plan gives without any exchange)."""
+        ranks_per_node = settings.ranks_per_node(self.ranks_per_node, self.device)
+        layout = choose_layout(self.hierarchical_exchange, dist.get_process_group_ranks(group), ranks_per_node)
+        flat = Transport(group, self.device)
+        digest = hashlib.sha256(repr((plan.fingerprint(), layout)).encode()).digest()
+        flat.check_same_everywhere(int.from_bytes(digest[:8], "little") >> 1, "the Muon ownership plan")  # layout included
+        if layout is None:
+            tables = rank_tables(plan, shardings, flat.rank)
+            return ExchangeEngine(plan, tables, Transport(outbound_lane_group(group), self.device), flat, self.rounds_in_flight)
+        tables = rank_tables(plan, shardings, flat.rank, layout.local_major(), layout.node_major())
+        node, local = layout.place(flat.rank)
+        mates = [send_counts_by_round(plan, shardings, mate) if mate != flat.rank else [t.send_counts for t in tables]
+                 for mate in layout.members[node]]  # fmt: skip
+        routes = tuple(build_route(layout, flat.rank, t.send_counts, t.recv_counts, [m[r] for m in mates], self.device)
+                       for r, t in enumerate(tables))  # fmt: skip
+        outbound = Transport(group, self.device, lane_hierarchy(group, layout, "outbound"))
+        back = Transport(group, self.device, lane_hierarchy(group, layout, "return"))
+        return ExchangeEngine(plan, tables, outbound, back, self.rounds_in_flight, routes)
 
     def _ensure_state(self) -> None:
         """Create every parameter's state at once, identically on every rank (DCP needs equal keys)."""
@@ -426,9 +456,11 @@ class Muon(Optimizer):
 
     # ------------------------------------------------------------ checkpoints
 
+    hierarchical_exchange: bool | str = "auto"  # for copies of optimizers pickled before the option existed
+    ranks_per_node: int | None = None
     _CARRIED = ("exchange_memory_mb", "rounds_in_flight", "ns_dtype_setting", "comm_dtype_setting", "nonfinite_grads",
                 "row_blocks", "overlap", "adamw_implementation", "storage", "skipped_steps", "owner_blocks", "pipeline_group",
-                "demo", "replicate_group")  # fmt: skip
+                "demo", "replicate_group", "hierarchical_exchange", "ranks_per_node")  # fmt: skip
 
     def __getstate__(self) -> dict:
         return {**super().__getstate__(), **{key: self.__dict__[key] for key in self._CARRIED}}

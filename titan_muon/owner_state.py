@@ -39,16 +39,17 @@ def _column_map(storage, engine: ExchangeEngine, width_of):
 def blocks_to_shards(storage, params: Sequence, engine: ExchangeEngine, blocks: dict[int, dict[str, Tensor]], states: dict) -> None:
     """Fill `states[param]` (created by ``storage.create(param)``) from the owners' `blocks`."""
     world, device = engine.world_size, engine.device
-    for tables in engine.tables:
+    for r, tables in enumerate(engine.tables):
         for key in storage.tensor_keys:
             columns = _column_map(storage, engine, lambda p: _state(states, params, engine, p, key).shape[-1])
             dtype = _state(states, params, engine, None, key).dtype
+            outbound_counts = split_counts(tables.outbound, world, columns)
             back = torch.empty(sum(split_counts(tables.inbound, world, columns)), dtype=dtype, device=device)
             for piece, slot in inbound_slots(tables, back, columns):
                 lo, hi = columns(piece)
                 slot.copy_(blocks[piece.unit][key][piece.rows[0] : piece.rows[1], lo:hi])
             received = engine.back.all_to_all(
-                back, split_counts(tables.inbound, world, columns), split_counts(tables.outbound, world, columns)
+                back, split_counts(tables.inbound, world, columns), outbound_counts, route=engine.route(r, outbound_counts)
             ).wait()
             for piece, slot in outbound_slots(tables, received, columns):
                 entry = params[engine.units[piece.unit].param]
@@ -59,7 +60,7 @@ def shards_to_blocks(storage, params: Sequence, engine: ExchangeEngine, states: 
     """The owners' blocks, from `states[param]` laid out like the parameters."""
     world, device = engine.world_size, engine.device
     blocks: dict[int, dict[str, Tensor]] = {}
-    for tables in engine.tables:
+    for r, tables in enumerate(engine.tables):
         for u in tables.owned:
             unit = engine.units[u]
             blocks[u] = storage.create_block(unit.rows, unit.cols, device)
@@ -73,8 +74,9 @@ def shards_to_blocks(storage, params: Sequence, engine: ExchangeEngine, states: 
             for piece, slot in outbound_slots(tables, send, columns):
                 entry = params[engine.units[piece.unit].param]
                 slot.copy_(local_piece(entry.stack(states[entry.param][key]), piece))
+            outbound_counts = split_counts(tables.outbound, world, columns)
             received = engine.outbound.all_to_all(
-                send, split_counts(tables.outbound, world, columns), split_counts(tables.inbound, world, columns)
+                send, outbound_counts, split_counts(tables.inbound, world, columns), route=engine.route(r, outbound_counts)
             ).wait()
             for piece, slot in inbound_slots(tables, received, columns):
                 lo, hi = columns(piece)

@@ -10,6 +10,7 @@ the step's agreements run over the one rank set that contains all the others.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -64,6 +65,7 @@ def locate(entries: Sequence[MuonParam]) -> tuple[list[RankSet], dist.ProcessGro
     """
     sets: list[RankSet] = []
     by_ranks: dict[tuple[int, ...], int] = {}
+    grids: dict[tuple[int, tuple[int, ...]], RankGrid] = {}  # (mesh, rank set) -> grid: O(W) once, not per parameter
     for entry in entries:
         p = entry.param
         if not isinstance(p, DTensor) or not sharded_mesh_dims(p):
@@ -77,7 +79,10 @@ def locate(entries: Sequence[MuonParam]) -> tuple[list[RankSet], dist.ProcessGro
             sets.append(RankSet(group, key))
         rank_set = sets[by_ranks[key]]
         order = dist.get_process_group_ranks(rank_set.group)
-        grid = RankGrid([_coordinate_of(mesh, int(r)) for r in order])
+        if (id(mesh), key) not in grids:
+            coordinates = _coordinates(mesh)
+            grids[(id(mesh), key)] = RankGrid([coordinates[int(r)] for r in order])
+        grid = grids[(id(mesh), key)]
         entry.sharding = _sharding(p, entry.name, grid)
         entry.rank_set = by_ranks[key]
         rank_set.params.append(entry.index)
@@ -127,8 +132,10 @@ def _ranks_along(mesh, dims: list[int], coordinate: list[int]) -> list[int]:
     return [int(r) for r in mesh.mesh[index].reshape(-1).tolist()]
 
 
-def _coordinate_of(mesh, rank: int) -> tuple[int, ...]:
-    return tuple(int(c) for c in (mesh.mesh == rank).nonzero()[0].tolist())
+def _coordinates(mesh) -> dict[int, tuple[int, ...]]:
+    """Every rank's coordinate in `mesh` (one pass over the mesh, not one search per rank)."""
+    ranks = mesh.mesh.reshape(-1).tolist()
+    return dict(zip(map(int, ranks), itertools.product(*(range(n) for n in mesh.mesh.shape))))
 
 
 def _sharding(p: DTensor, name: str, grid: RankGrid) -> Sharding:

@@ -303,15 +303,11 @@ class RoundTables:
         return sum(self.recv_counts)
 
 
-def round_tables(
-    plan: Plan, shardings: Sequence[Sharding], round_index: int, rank: int, boxes: Mapping[int, Box] | None = None
-) -> RoundTables:
-    """`rank`'s tables for one round; ``boxes[param]`` (optional) is `rank`'s block of each parameter."""
-    members = plan.rounds[round_index]
-    send_counts: dict[int, int] = {}  # peer -> elements; most peers get nothing
-    recv_counts: dict[int, int] = {}
-    outbound_raw = []
-    for u in members:
+def _outbound_raw(plan: Plan, shardings: Sequence[Sharding], round_index: int, rank: int,
+                  boxes: Mapping[int, Box] | None) -> list[tuple]:  # fmt: skip
+    """(owner, unit, rows, cols, local) of each piece `rank` holds of the round's units, round order."""
+    raw = []
+    for u in plan.rounds[round_index]:
         unit = plan.units[u]
         mine = boxes[unit.param] if boxes is not None else shardings[unit.param].box(rank)
         piece = _intersection(mine, unit.box)
@@ -319,8 +315,26 @@ def round_tables(
             continue
         (m0, _), (r0, r1), (c0, c1) = piece
         local = (m0 - mine[0][0], r0 - mine[1][0], r1 - mine[1][0])
-        outbound_raw.append((plan.owners[u], u, (r0 - unit.row_start, r1 - unit.row_start), (c0, c1), local))
-    outbound_raw.sort(key=lambda p: p[0])  # stable: round order within an owner
+        raw.append((plan.owners[u], u, (r0 - unit.row_start, r1 - unit.row_start), (c0, c1), local))
+    return raw
+
+
+def round_tables(
+    plan: Plan, shardings: Sequence[Sharding], round_index: int, rank: int, boxes: Mapping[int, Box] | None = None,
+    send_order: Sequence[int] | None = None, recv_order: Sequence[int] | None = None,
+) -> RoundTables:  # fmt: skip
+    """`rank`'s tables for one round; ``boxes[param]`` (optional) is `rank`'s block of each parameter.
+
+    ``send_order[peer]`` / ``recv_order[peer]``: where each peer's segment sits in the send /
+    receive buffer of the outbound trip (default: rank order, as a flat ``all_to_all_single``
+    takes them; a hierarchical transport takes another order, ``transport.NodeLayout``)."""
+    members = plan.rounds[round_index]
+    send_counts: dict[int, int] = {}  # peer -> elements; most peers get nothing
+    recv_counts: dict[int, int] = {}
+    outbound_raw = _outbound_raw(plan, shardings, round_index, rank, boxes)
+    send_key = (lambda peer: peer) if send_order is None else send_order.__getitem__
+    recv_key = (lambda peer: peer) if recv_order is None else recv_order.__getitem__
+    outbound_raw.sort(key=lambda p: send_key(p[0]))  # stable: round order within an owner
     outbound, offset = [], 0
     for owner, u, rows, cols, local in outbound_raw:
         piece = Piece(u, owner, offset, rows, cols, local)
@@ -334,7 +348,7 @@ def round_tables(
         unit = plan.units[u]
         for src, ((_, _), (r0, r1), (c0, c1)) in shardings[unit.param].holders(unit.box):
             inbound_raw.append((src, order, u, (r0 - unit.row_start, r1 - unit.row_start), (c0, c1)))
-    inbound_raw.sort(key=lambda p: (p[0], p[1]))
+    inbound_raw.sort(key=lambda p: (recv_key(p[0]), p[1]))
     inbound, offset = [], 0
     for src, _, u, rows, cols in inbound_raw:
         piece = Piece(u, src, offset, rows, cols)
@@ -347,10 +361,29 @@ def round_tables(
     )
 
 
-def rank_tables(plan: Plan, shardings: Sequence[Sharding], rank: int) -> tuple[RoundTables, ...]:
-    """Everything `rank` needs per step, round by round: computed once, read every step."""
-    boxes = {param: shardings[param].box(rank) for param in {unit.param for unit in plan.units}}  # this plan's parameters only
-    return tuple(round_tables(plan, shardings, r, rank, boxes) for r in range(len(plan.rounds)))
+def rank_tables(plan: Plan, shardings: Sequence[Sharding], rank: int, send_order: Sequence[int] | None = None,
+                recv_order: Sequence[int] | None = None) -> tuple[RoundTables, ...]:  # fmt: skip
+    """Everything `rank` needs per step, round by round: computed once, read every step
+    (buffer orders as in :func:`round_tables`)."""
+    boxes = _boxes(plan, shardings, rank)
+    return tuple(round_tables(plan, shardings, r, rank, boxes, send_order, recv_order) for r in range(len(plan.rounds)))
+
+
+def send_counts_by_round(plan: Plan, shardings: Sequence[Sharding], rank: int) -> tuple[tuple[int, ...], ...]:
+    """`rank`'s send counts per round (``rank_tables(...)[r].send_counts`` without the rest of the
+    tables): what a hierarchical exchange's relay needs to know of its node-mates."""
+    boxes = _boxes(plan, shardings, rank)
+    counts = []
+    for r in range(len(plan.rounds)):
+        per_peer: dict[int, int] = {}
+        for owner, _, rows, cols, _ in _outbound_raw(plan, shardings, r, rank, boxes):
+            per_peer[owner] = per_peer.get(owner, 0) + (rows[1] - rows[0]) * (cols[1] - cols[0])
+        counts.append(split_sizes(per_peer, plan.world_size))
+    return tuple(counts)
+
+
+def _boxes(plan: Plan, shardings: Sequence[Sharding], rank: int) -> dict[int, Box]:
+    return {param: shardings[param].box(rank) for param in {unit.param for unit in plan.units}}  # this plan's parameters only
 
 
 @functools.lru_cache(maxsize=8)

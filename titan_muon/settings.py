@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import torch
@@ -79,6 +80,29 @@ def check_options(ns_dtype: str, comm_dtype: str, nonfinite_grads: str, adamw_im
         raise ValueError(
             f"titan_muon.Muon: adamw_implementation={adamw_implementation!r}; expected one of {ADAMW_IMPLEMENTATIONS}"
         )
+
+
+HIERARCHICAL_CHOICES = ("auto", True, False)
+
+
+def check_hierarchy(hierarchical_exchange, ranks_per_node) -> None:
+    if not any(hierarchical_exchange is c or (isinstance(c, str) and hierarchical_exchange == c) for c in HIERARCHICAL_CHOICES):
+        raise ValueError(f"titan_muon.Muon: hierarchical_exchange={hierarchical_exchange!r}; expected 'auto', True or False")
+    if ranks_per_node is not None and (isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) or ranks_per_node < 1):
+        raise ValueError(f"titan_muon.Muon: ranks_per_node={ranks_per_node!r}; expected a positive integer or None")
+
+
+def ranks_per_node(given: int | None, device: torch.device) -> int | None:
+    """Ranks on one node: `given`, else torchrun's LOCAL_WORLD_SIZE, else the visible GPUs on
+    CUDA; None (one node as far as Muon knows) otherwise."""
+    if given is not None:
+        return given
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    if local.isdigit() and int(local) >= 1:
+        return int(local)
+    if device.type == "cuda":
+        return torch.cuda.device_count()
+    return None
 
 
 def check_lr(group: dict, index: int) -> None:

@@ -74,6 +74,12 @@ class Optimizer:
     demo_topk: int = demo_math.DEFAULT_TOPK
     demo_alpha: float = demo_math.DEFAULT_ALPHA
     """Share of what was sent that is subtracted from the momentum (error feedback)."""
+    hierarchical_exchange: Literal["auto", "on", "off"] = "auto"
+    """Run Muon's all-to-alls within nodes, then across them along rails ((ranks per node - 1) +
+    (nodes - 1) peers per rank instead of W - 1); "auto": for exchange groups of more than 256
+    ranks on several nodes (docs/exchange.md, "W = 4096")."""
+    ranks_per_node: int | None = None
+    """Ranks of one node (consecutive global ranks); unset: torchrun's LOCAL_WORLD_SIZE."""
 
     adamw_lr: float | None = None
     """lr of the AdamW groups (embeddings, output head, norms); None = optimizer.lr."""
@@ -157,6 +163,9 @@ def validate_optimizer_config(config: Any) -> None:
     for key, choices in (*_CHOICES.items(), ("implementation", ADAMW_IMPLEMENTATIONS)):
         if getattr(config, key) not in choices:
             fail(key, f"one of {choices}")
+    if config.ranks_per_node is not None and (not isinstance(config.ranks_per_node, int) or isinstance(config.ranks_per_node, bool)
+                                              or config.ranks_per_node < 1):  # fmt: skip
+        fail("ranks_per_node", "a positive integer or unset")
     for key in ("exchange_memory_mb", "bucket_size_mb"):
         value = getattr(config, key)
         if value is not None and (not _is_number(value) or value <= 0):

@@ -40,6 +40,8 @@ def muon_kwargs(config: Any) -> dict[str, Any]:
         demo_chunk=config.demo_chunk,
         demo_topk=config.demo_topk,
         demo_alpha=config.demo_alpha,
+        hierarchical_exchange={"auto": "auto", "on": True, "off": False}[config.hierarchical_exchange],
+        ranks_per_node=config.ranks_per_node,
     )
 
 
