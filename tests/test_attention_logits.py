@@ -285,6 +285,10 @@ def test_input_layout_is_read_from_the_signature():
             return q
 
     assert input_layout(V022()) == InputLayout("q", "k", heads_dim=1)
+    # torchtitan 0.3.0's Module.parallelize (TP, EP) replaces the instance's forward by a wrapper
+    parallelized = V030InnerAttention()
+    parallelized.forward = lambda *args, **kwargs: V030InnerAttention.forward(parallelized, *args, **kwargs)
+    assert input_layout(parallelized) == InputLayout("q_BLNH", "k_BLNH", heads_dim=2)
 
 
 @pytest.mark.parametrize("kind", ["gqa", "mqa", "mha", "mla"])

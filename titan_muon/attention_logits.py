@@ -158,9 +158,11 @@ class InputLayout:
 
 
 def input_layout(inner_attention: nn.Module) -> InputLayout:
-    """Read from the names of the first two parameters of ``inner_attention.forward``."""
+    """Read from the names of the first two parameters of the class's ``forward``: torchtitan 0.3.0's
+    ``Module.parallelize`` (tensor or expert parallel) replaces the instance's ``forward`` by a
+    ``(*args, **kwargs)`` wrapper that redistributes the inputs, and the hook sees them before it."""
     try:
-        names = list(inspect.signature(inner_attention.forward).parameters)[:2]
+        names = list(inspect.signature(type(inner_attention).forward).parameters)[1:3]  # after self
     except (TypeError, ValueError):  # no signature to read: a C++ or oddly wrapped forward
         names = []
     if len(names) < 2:
