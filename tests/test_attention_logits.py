@@ -10,9 +10,14 @@
   (<= the budget) plus small derived terms, and no allocation comes near q or k.
 * Activation recompute (torch.utils.checkpoint in both modes, torchtitan's full AC and
   per-op SAC) records each forward once and leaves gradients untouched.
+* torchtitan 0.3.0's inner attentions take (B, L, H, D): the recorder reads them through
+  transposed views of the very same memory (no copy) and equals the fp64 dense reference;
+  masks come as ``attention_masks``. (tests/test_torchtitan030.py checks it on 0.3.0's own
+  llama3 and deepseek_v3 attention against their softmax's input.)
 """
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -25,17 +30,21 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 from torchtitan.config.job_config import ActivationCheckpoint
 from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.models.llama3.infra.parallelize import _op_sac_save_list
+from torchtitan_layouts import V030Attention, V030InnerAttention
 
 from titan_muon import attention_logits
 from titan_muon.attention_logits import (
     ACCELERATOR_BLOCK_BYTES,
     CPU_BLOCK_BYTES,
+    InputLayout,
     MaxLogitRecorder,
     block_budget,
     block_max_logits,
     block_rows,
     default_block_bytes,
+    first_local_head,
     in_backward,
+    input_layout,
 )
 
 U32 = 2.0**-24  # fp32 unit roundoff
@@ -248,3 +257,126 @@ def test_in_backward_only_inside_backward():
         seen.clear()
         torch.utils.checkpoint.checkpoint(fn, x, use_reentrant=reentrant).sum().backward()
         assert seen == [False, True], reentrant
+
+
+# ---------------------------------------------------------------- torchtitan 0.3.0: (batch, seq, heads, head_dim)
+
+
+def v030_attention(kind, fused):
+    """A 0.3.0 GQAttention stand-in with the head counts of ``attention_inputs(kind)``; its inner attention
+    has 0.3.0's signature (q_BLNH, k_BLNH, v_BLNH, *, attention_masks, scale, enable_gqa, is_causal)."""
+    q_heads, kv_heads, dim = {"gqa": (6, 2, 16), "mqa": (4, 1, 8), "mha": (3, 3, 12), "mla": (4, 4, 32)}[kind]
+    return V030Attention(dim=8, n_heads=q_heads, n_kv_heads=kv_heads, head_dim=dim, fused=fused)
+
+
+def record(attention, *args, **kwargs):
+    """One training forward of the inner attention; the recorded (heads,) maxima."""
+    recorder = MaxLogitRecorder([attention])
+    attention.inner_attention(*args, **kwargs)
+    return recorder.max_logits[0]
+
+
+def test_input_layout_is_read_from_the_signature():
+    assert input_layout(V030InnerAttention()) == InputLayout("q_BLNH", "k_BLNH", heads_dim=2)
+    assert input_layout(torch.nn.Identity()) == InputLayout()  # one argument: the default, 0.2.2's names
+
+    class V022(torch.nn.Module):
+        def forward(self, q, k, v, *, scale=None):
+            return q
+
+    assert input_layout(V022()) == InputLayout("q", "k", heads_dim=1)
+    # torchtitan 0.3.0's Module.parallelize (TP, EP) replaces the instance's forward by a wrapper
+    parallelized = V030InnerAttention()
+    parallelized.forward = lambda *args, **kwargs: V030InnerAttention.forward(parallelized, *args, **kwargs)
+    assert input_layout(parallelized) == InputLayout("q_BLNH", "k_BLNH", heads_dim=2)
+
+
+@pytest.mark.parametrize("kind", ["gqa", "mqa", "mha", "mla"])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("fused", [True, False], ids=["wqkv", "wq_wk"])
+def test_sequence_major_inputs_equal_the_fp64_dense_max(kind, causal, fused, monkeypatch):
+    q, k = attention_inputs(kind, 2, 101, seed=3)  # (B, H, L, D) views of (B, L, H, D) memory
+    q_BLNH, k_BLNH = q.transpose(1, 2), k.transpose(1, 2)  # what 0.3.0 hands over: contiguous (B, L, H, D)
+    assert q_BLNH.is_contiguous() and k_BLNH.is_contiguous()
+    v_BLNH = torch.randn(k_BLNH.shape)
+    seen = []
+
+    def spy(q_seen, k_seen, *args, **kwargs):
+        seen.append((q_seen, k_seen))
+        return block_max_logits(q_seen, k_seen, *args, **kwargs)
+
+    monkeypatch.setattr(attention_logits, "block_max_logits", spy)
+    attention = v030_attention(kind, fused)
+    scale = None if kind == "gqa" else 0.3  # None: 1/sqrt(head_dim), as SDPA
+    got = record(attention, q_BLNH, k_BLNH, v_BLNH, attention_masks=None, scale=scale, enable_gqa=kind in ("gqa", "mqa"),
+                 is_causal=causal)  # fmt: skip
+    # Views of the same memory, in the (B, H, L, D) layout of 0.2.2 (no copy of q or k) ...
+    (q_seen, k_seen), = seen
+    for seen_t, given in ((q_seen, q_BLNH), (k_seen, k_BLNH)):
+        assert seen_t.data_ptr() == given.data_ptr() and seen_t.shape == given.transpose(1, 2).shape
+        assert seen_t.stride() == given.transpose(1, 2).stride()
+    # ... so the same math as 0.2.2's: bit for bit what block_max_logits gives on the transposed views,
+    scale_value = q.shape[-1] ** -0.5 if scale is None else scale
+    assert torch.equal(got[: q.shape[1]], block_max_logits(q, k, scale, is_causal=causal))
+    # and the max of the logits softmax sees, within fp32 accumulation error.
+    expected, magnitude = dense_max(q, k, scale_value, causal)
+    bound = gamma(q.shape[-1], U32) * magnitude + 3 * U32 * expected.abs()
+    assert ((got[: q.shape[1]].double() - expected).abs() <= bound).all(), (got, expected, bound)
+
+
+def test_sequence_major_inputs_by_keyword_with_a_block_mask():
+    """0.3.0's FlexAttention gets the mask as ``attention_masks=BlockMask``: its mask_mod is what counts."""
+    q, k = attention_inputs("gqa", 2, 50, seed=4)
+    docs = torch.tensor([[0] * 20 + [1] * 30, [0] * 49 + [1]])
+
+    def document_causal(b, h, q_idx, kv_idx):
+        return (docs[b, q_idx] == docs[b, kv_idx]) & (q_idx >= kv_idx)
+
+    attention = v030_attention("gqa", fused=True)
+    recorder = MaxLogitRecorder([attention])
+    hook = next(iter(attention.inner_attention._forward_pre_hooks.values()))
+    block_mask = SimpleNamespace(mask_mod=document_causal)  # what the recorder reads of a BlockMask
+    hook(attention.inner_attention, (), dict(q_BLNH=q.transpose(1, 2), k_BLNH=k.transpose(1, 2),
+                                             attention_masks=block_mask, scale=0.3, enable_gqa=True))  # fmt: skip
+    full = 0.3 * q.double() @ k.double().repeat_interleave(3, dim=1).transpose(-1, -2)
+    b, h, i, j = torch.meshgrid(torch.arange(2), torch.arange(6), torch.arange(50), torch.arange(50), indexing="ij")
+    expected = full.masked_fill(~document_causal(b, h, i, j), -math.inf).amax(dim=(0, 2, 3))
+    torch.testing.assert_close(recorder.max_logits[0].double(), expected, rtol=1e-6, atol=1e-6)
+
+
+def test_what_the_recording_cannot_read_is_refused():
+    q = torch.randn(1, 8, 6, 16)
+    k = torch.randn(1, 8, 2, 16)
+    attention = v030_attention("gqa", fused=True)
+    MaxLogitRecorder([attention])
+    with pytest.raises(NotImplementedError, match="not VarlenMetadata"):
+        varlen = type("VarlenMetadata", (), {"cu_seq_q": None})()
+        attention.inner_attention(q, k, k, attention_masks=varlen)
+    with pytest.raises(NotImplementedError, match="score_mod"):
+        hook = next(iter(attention.inner_attention._forward_pre_hooks.values()))
+        hook(attention.inner_attention, (q, k, k), {"score_mod": lambda score, b, h, i, j: score})
+
+    class VarlenAttention(V030InnerAttention):
+        pass
+
+    attention.inner_attention = VarlenAttention()
+    with pytest.raises(NotImplementedError, match="not varlen attention"):
+        MaxLogitRecorder([attention])
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["wqkv", "wq_wk"])
+def test_tensor_parallel_heads_go_to_their_global_slots(fused, monkeypatch):
+    """Under TP a rank's inner attention sees its heads only; with plain-tensor q/k their global slots come
+    from the rows of the projection it holds: whole heads of wq, whole KV groups of 0.3.0's fused wqkv."""
+    attention = v030_attention("gqa", fused)  # 6 query heads in 2 KV groups of 3, head_dim 16
+    unit_rows = 5 * 16 if fused else 16  # a KV group of wqkv: 3 query + 1 key + 1 value heads
+    held = (unit_rows, 2 * unit_rows) if fused else (3 * unit_rows, 6 * unit_rows)  # rank 1 of TP 2
+    monkeypatch.setattr(attention_logits, "held_rows", lambda t, dim=0: held)
+    assert first_local_head(attention, 3) == 3
+    with pytest.raises(NotImplementedError, match="not whole"):
+        first_local_head(attention, 2)
+    q, k = attention_inputs("gqa", 1, 20, seed=5)
+    rank_q, rank_k = q[:, 3:].transpose(1, 2).contiguous(), k[:, 1:].transpose(1, 2).contiguous()
+    got = record(attention, rank_q, rank_k, rank_k, scale=0.3, enable_gqa=True)
+    assert torch.isneginf(got[:3]).all()
+    torch.testing.assert_close(got[3:], block_max_logits(q[:, 3:], k[:, 1:], 0.3), rtol=0, atol=0)

@@ -9,10 +9,10 @@ query heads, then key head g, then value head g).
 import pytest
 import torch
 from torch import nn
-from torchtitan_layouts import V022Attention, V030Attention, V030InnerAttention
+from torchtitan_layouts import V022Attention, V030Attention
 
 from titan_muon import Muon
-from titan_muon.attention_logits import MaxLogitRecorder, query_projection
+from titan_muon.attention_logits import query_projection
 from titan_muon.clip import QKClip, apply_qk_clip, find_attention_layers
 from titan_muon.fused_qkv import FusedQKVLayout
 from titan_muon.split import attention_row_blocks
@@ -133,12 +133,10 @@ def test_fused_layout_is_checked_and_query_projection_says_why_it_has_none():
         find_attention_layers(fused)
 
 
-def test_max_logit_recording_refuses_torchtitan_030_attention():
-    model = nn.ModuleDict({"attention": V030Attention(DIM, HEADS, KV_HEADS, HEAD_DIM)})
-    with pytest.raises(NotImplementedError, match="not built for torchtitan 0.3.0's attention"):
-        QKClip(model)
-    # 0.3.0's other attentions (MLA included) hand (batch, seq, heads, head_dim) to inner_attention too.
-    separate = V022Attention(DIM, HEADS, KV_HEADS, HEAD_DIM)
-    separate.inner_attention = V030InnerAttention()
-    with pytest.raises(NotImplementedError, match=r"\(batch, seq, heads, head_dim\)"):
-        MaxLogitRecorder([separate])
+def test_max_logit_recording_takes_torchtitan_030_attention():
+    """0.3.0's attentions (fused or separate q/k/v) are recorded, not refused: tests/test_attention_logits.py
+    checks the values; here only that QKClip builds on both layouts and the inner attention is hooked."""
+    for fused in (True, False):
+        model = nn.ModuleDict({"attention": V030Attention(DIM, HEADS, KV_HEADS, HEAD_DIM, fused=fused)})
+        qk_clip = QKClip(model)
+        assert len(qk_clip.recorder._handles) == 1 and len(model.attention.inner_attention._forward_pre_hooks) == 1

@@ -9,14 +9,21 @@ docs/torchtitan.md, "torchtitan 0.3.0", for the environment and the command:
 
 The runs go through ``torchrun -m titan_muon.train`` (which picks the 0.3 adapter) with a train_configs/ TOML
 file and the suite's usual flags (0.2.2 names, translated by the launcher): a tiny model,
-64-token sequences, 2 ranks, each launch with a timeout.
+64-token sequences, 2 ranks, each launch with a timeout. MuonClip is on as the TOML files set it.
+
+MuonClip's recording is also checked in one process on 0.3.0's own attention modules (llama3 with
+fused or separate q/k/v, deepseek_v3 MLA; SDPA, and FlexAttention with its packed-document mask):
+the recorded max equals the max of the logits that reproduce the attention's output, and a clip
+brings the clipped heads to tau on a re-recording.
 """
 
+import math
 import re
 import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from titan_muon.torchtitan.version import installed_torchtitan, uses_config_functions
 
@@ -31,8 +38,11 @@ from dataclasses import fields  # noqa: E402
 
 from distributed import tiny_run_flags, trainer_flags  # noqa: E402
 from tokenizers import Tokenizer  # noqa: E402
+from torch.nn.attention.flex_attention import flex_attention  # noqa: E402
 from torchtitan.config import ConfigManager, apply_overrides  # noqa: E402
+from torchtitan.models.common.attention import FlexAttention  # noqa: E402
 
+from titan_muon.clip import QKClip  # noqa: E402
 from titan_muon.torchtitan import config as optimizer_section  # noqa: E402
 from titan_muon.torchtitan.data import (  # noqa: E402
     PYTHON_FILES,
@@ -48,7 +58,9 @@ from titan_muon.torchtitan.launch import (  # noqa: E402
     start,
     torchrun_command,
 )
+from titan_muon.torchtitan.v030 import cpu  # noqa: E402
 from titan_muon.torchtitan.v030.launch import parse  # noqa: E402
+from titan_muon.torchtitan.v030.models import llama3_gqa, model_spec  # noqa: E402
 from titan_muon.torchtitan.v030.optimizer import MuonOptimizersContainer  # noqa: E402
 from titan_muon.torchtitan.v030.trainer import check_supported  # noqa: E402
 
@@ -56,8 +68,8 @@ pytestmark = pytest.mark.timeout(1200)
 
 MUON = "train_configs/llama3_gqa_muon.toml"
 MOE = "train_configs/moe_mla_muon.toml"
-NO_QK_CLIP = "--optimizer.no-qk_clip"  # MuonClip is not supported with torchtitan 0.3.0 yet
 STEPS, RESUME_STEP = 8, 4
+CLIPPING = ["--optimizer.qk_clip_tau", "0.05"]  # tiny_gqa's max logits start near 0.12: every step clips
 RUN_TIMEOUT = 300  # seconds; a run takes ~15 s on an idle 2-core machine
 ENTRY = ("-m", "titan_muon.train")  # the same launcher as on 0.2.2; it picks the 0.3 adapter
 CHECKPOINT_AT_RESUME_STEP = [
@@ -87,7 +99,7 @@ def workdir(tmp_path_factory) -> Path:
 
 
 def tiny(workdir: Path, dump: str, *extra: str, steps: int = STEPS, flavor: str = "tiny_gqa") -> list[str]:
-    return [*tiny_run_flags(workdir, dump, steps, flavor), *trainer_flags(), NO_QK_CLIP, *extra]
+    return [*tiny_run_flags(workdir, dump, steps, flavor), *trainer_flags(), *extra]
 
 
 # ---------------------------------------------------------------- configuration, no run
@@ -112,27 +124,131 @@ def test_one_override_switches_a_stock_recipe_to_muon():
 
 @pytest.mark.parametrize("name", ["llama3_gqa_muon", "llama3_gqa_adamw", "mla_muon", "moe_mla_muon"])
 def test_every_shipped_toml_builds_a_030_config(name):
-    config = parse(["--job.config_file", f"train_configs/{name}.toml", "--optimizer.qk_clip", "false"])
+    config = parse(["--job.config_file", f"train_configs/{name}.toml"])
     muon = name.endswith("muon")
     assert isinstance(config.optimizer, MuonOptimizersContainer.Config) == muon
     assert config.model_spec.name == ("llama3" if name.startswith("llama3") else "deepseek_v3")
     assert config.training.steps == 300 and config.training.seq_len == 256
     if muon:
         assert config.optimizer.split == "head" and config.optimizer.adamw_lr == 0.003
+        assert config.optimizer.qk_clip and config.optimizer.qk_clip_tau == 100.0  # MuonClip, as with 0.2.2
     check_supported(config)
 
 
-def test_qk_clip_is_refused_by_name():
-    config = parse(["--job.config_file", MUON])  # the file sets qk_clip = true
-    with pytest.raises(ValueError, match="no-qk_clip"):
+def test_qk_clip_is_refused_where_0_2_2_refuses_it_and_with_cuda_graphs():
+    config = parse(["--job.config_file", MUON, "--parallelism.context_parallel_degree", "2"])
+    with pytest.raises(ValueError, match="qk_clip = true cannot be used with .* context_parallel_degree = 2"):
         check_supported(config)
+    config = parse(["--job.config_file", MUON, "--training.no-disable_cuda_graphs"])
+    with pytest.raises(ValueError, match="qk_clip records max attention logits with Python hooks"):
+        check_supported(config)
+    check_supported(parse(["--job.config_file", MUON, "--training.no-disable_cuda_graphs", "--optimizer.no-qk_clip"]))
 
 
-def test_unknown_toml_key_is_refused(tmp_path):
-    text = (REPO_ROOT / MUON).read_text().replace("[training]", "[training]\nno_such_key = 1", 1)
-    (tmp_path / "bad.toml").write_text(text)
-    with pytest.raises(ValueError, match="no_such_key"):
-        parse(["--job.config_file", str(tmp_path / "bad.toml")])
+# ------------------------------------------------ MuonClip on 0.3.0's attention modules, one process
+
+
+def attention_model(name: str, attention: str):
+    """A tiny 0.3.0 model built from our flavors: llama3 with fused wqkv ("llama3") or separate wq/wk/wv
+    ("llama3_unfused"), or deepseek_v3 MLA ("mla"); with SDPA or FlexAttention (eager here: CPU)."""
+    torch.manual_seed(0)
+    if name == "llama3_unfused":
+        config = llama3_gqa(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, multiple_of=64, fuse_qkv=False)
+    else:
+        config = model_spec(*{"llama3": ("llama3", "tiny_gqa"), "mla": ("deepseek_v3", "tiny_dense")}[name]).model
+    if attention == "sdpa":
+        cpu.use_sdpa_attention(config)
+    model = config.build()
+    model.init_weights(buffer_device=None)
+    return model
+
+
+def batch(model, attention: str):
+    """Tokens, and the forward's other arguments: with flex, positions that reset at document starts
+    and the model's own packed-document BlockMask; with SDPA, causal over the whole sequence."""
+    tokens = torch.randint(0, 2048, (2, 64), generator=torch.Generator().manual_seed(1))
+    if attention == "sdpa":
+        return tokens, {}, None
+    positions = torch.arange(64).repeat(2, 1)
+    positions[0, 25:] -= 25  # sequence 0: documents [0, 25) and [25, 64)
+    positions[1, 40:] -= 40  # sequence 1: [0, 40) and [40, 64)
+    return tokens, {"positions": positions, "attention_masks": model.get_attention_masks(positions)}, positions
+
+
+def forward(model, tokens, kwargs):
+    with torch.no_grad():  # recording needs no graph; eager FlexAttention on CPU runs without one only
+        return model(tokens, **kwargs)
+
+
+def allowed_pairs(positions, length: int) -> torch.Tensor:
+    """(B, 1, L, L): causal, and within a document when positions reset (computed here, not by torchtitan)."""
+    causal = torch.ones(length, length, dtype=torch.bool).tril()
+    if positions is None:
+        return causal[None, None]
+    doc = torch.cumsum(positions == 0, dim=1)
+    return (causal & (doc[:, :, None] == doc[:, None, :]))[:, None]
+
+
+@pytest.fixture
+def eager_flex(monkeypatch):
+    monkeypatch.setattr(FlexAttention, "_compiled_flex_attn", flex_attention)
+
+
+@pytest.mark.parametrize("name", ["llama3", "llama3_unfused", "mla"])
+@pytest.mark.parametrize("attention", ["sdpa", "flex"])
+def test_recorded_max_is_the_max_of_the_logits_softmax_sees(name, attention, eager_flex):
+    model = attention_model(name, attention)
+    qk_clip = QKClip(model)
+    captured = []
+
+    def capture(module, args, kwargs, output):
+        captured.append((args, kwargs, output))
+
+    for layer in model.layers.values():
+        layer.attention.inner_attention.register_forward_hook(capture, with_kwargs=True)
+    tokens, kwargs, positions = batch(model, attention)
+    forward(model, tokens, kwargs)
+    assert len(captured) == len(model.layers) == len(qk_clip.layers)
+    for index, ((q, k, v), call, output) in enumerate(captured):
+        assert (attention == "flex") == ("attention_masks" in call and call["attention_masks"] is not None)
+        # the dense reference, in fp64, from the q and k the inner attention was given: (B, L, H, D)
+        q64, k64, v64 = (t.double().transpose(1, 2) for t in (q, k, v))
+        rep = q64.shape[1] // k64.shape[1]
+        k64, v64 = k64.repeat_interleave(rep, dim=1), v64.repeat_interleave(rep, dim=1)
+        scale = call.get("scale") or q.shape[-1] ** -0.5
+        logits = (scale * q64 @ k64.transpose(-1, -2)).masked_fill(~allowed_pairs(positions, q.shape[1]), -math.inf)
+        # these are the logits softmax saw: they reproduce the attention's output
+        torch.testing.assert_close((logits.softmax(-1) @ v64).transpose(1, 2), output.double(), rtol=1e-4, atol=1e-5)
+        expected = logits.amax(dim=(0, 2, 3))
+        torch.testing.assert_close(qk_clip.recorder.max_logits[index].double(), expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["llama3", "llama3_unfused", "mla"])
+def test_clipped_heads_are_at_tau_on_a_re_recording(name):
+    """Record, clip (no optimizer step in between), run every attention again on the input it had: every
+    clipped head's max logit is tau, every other head's unchanged bit for bit (its rows were multiplied by
+    exactly 1). Each attention is re-run on its own recorded input, not the model on the tokens: a clip in
+    one layer changes what the next layers receive."""
+    model = attention_model(name, "sdpa")
+    qk_clip = QKClip(model)
+    inputs = []
+    for layer in model.layers.values():
+        layer.attention.register_forward_pre_hook(lambda module, args, kwargs: inputs.append((module, args, kwargs)),
+                                                  with_kwargs=True)  # fmt: skip
+    tokens, kwargs, _ = batch(model, "sdpa")
+    forward(model, tokens, kwargs)
+    before = qk_clip.recorder.max_logits.clone()
+    qk_clip.tau = before.median().item()  # about half of the heads over tau
+    metrics = qk_clip.reduce_and_clip(lr=1.0)  # resets the recording
+    clipped = before > qk_clip.tau
+    assert metrics["qk_clip/heads_clipped"] == clipped.sum() and 0 < clipped.sum() < clipped.numel()
+    assert clipped.any(dim=1).all(), clipped  # in every layer
+    with torch.no_grad():
+        for attention, args, call in list(inputs):
+            attention(*args, **call)
+    after = qk_clip.recorder.max_logits
+    torch.testing.assert_close(after[clipped], torch.full_like(after[clipped], qk_clip.tau), rtol=1e-5, atol=0)
+    assert torch.equal(after[~clipped], before[~clipped])
 
 
 # ---------------------------------------------------------------------------- runs
@@ -140,8 +256,8 @@ def test_unknown_toml_key_is_refused(tmp_path):
 
 @pytest.fixture(scope="module")
 def reference(workdir) -> Path:
-    """2 ranks, 8 steps of Muon on the stdlib corpus, checkpoints at steps 4 and 8."""
-    train(MUON, tiny(workdir, "reference", *CHECKPOINT_AT_RESUME_STEP))
+    """2 ranks, 8 steps of Muon on the stdlib corpus, MuonClip clipping every step, checkpoints at steps 4 and 8."""
+    train(MUON, tiny(workdir, "reference", *CLIPPING, *CHECKPOINT_AT_RESUME_STEP))
     return workdir / "reference"
 
 
@@ -164,21 +280,42 @@ def test_two_rank_run_loss_falls_and_muon_metrics_are_logged(workdir):
     assert sorted(losses) == list(range(1, STEPS + 1))
     assert all(losses[step + 1] < losses[step] for step in range(2, STEPS)), losses
     assert losses[STEPS] < losses[1] - 0.5, losses
-    for tag in ("grad_norm", "muon/update_rms", "muon/bytes_sent", "muon/step_time_ms", "optimizer/step_time_ms"):
+    for tag in ("grad_norm", "muon/update_rms", "muon/bytes_sent", "muon/step_time_ms", "optimizer/step_time_ms",
+                "qk_clip/max_logit", "qk_clip/max_logit/layers.0.attention", "qk_clip/max_logit/layers.1.attention"):
         values = read_scalars(str(workdir / "one_sequence"), tag)
         assert sorted(values) == list(range(1, STEPS + 1)), tag
         assert all(value > 0 for value in values.values()), tag
+    # MuonClip is on (the TOML's tau = 100, far above this model's logits): recorded, nothing clipped
+    assert set(read_scalars(str(workdir / "one_sequence"), "qk_clip/heads_clipped").values()) == {0}
+
+
+def test_shipped_toml_clips_with_a_low_tau(reference):
+    """train_configs/llama3_gqa_muon.toml as shipped (qk_clip = true), tau 0.05: every step clips, on both
+    ranks alike (one MAX all-reduce), and the clip pulls the max logit back towards tau: step 1 records the
+    untouched initialization (~0.12); each later step records the weights its predecessor clipped to tau
+    and then moved by one Muon update."""
+    clipped = read_scalars(str(reference), "qk_clip/heads_clipped")
+    max_logit = read_scalars(str(reference), "qk_clip/max_logit")
+    assert sorted(clipped) == sorted(max_logit) == list(range(1, STEPS + 1))
+    assert all(count > 0 for count in clipped.values()), clipped
+    assert max_logit[1] > 2 * 0.05, max_logit
+    assert all(max_logit[step] < max_logit[1] for step in range(2, STEPS + 1)), max_logit
+    assert read_scalars(str(reference), "qk_clip/nonfinite_heads") == {step: 0 for step in range(1, STEPS + 1)}
 
 
 def test_resume_from_dcp_checkpoint_continues_exactly(reference, workdir):
+    """With MuonClip clipping every step: its state is the weights themselves, so resuming is exact."""
     target = workdir / "resumed" / "checkpoint" / f"step-{RESUME_STEP}"
     shutil.copytree(reference / "checkpoint" / f"step-{RESUME_STEP}", target)
-    log = train(MUON, tiny(workdir, "resumed", *CHECKPOINT_AT_RESUME_STEP))
+    log = train(MUON, tiny(workdir, "resumed", *CLIPPING, *CHECKPOINT_AT_RESUME_STEP))
     assert f"Loading the checkpoint from {target}" in log
     straight, resumed = read_losses(str(reference)), read_losses(str(workdir / "resumed"))
     assert sorted(straight) == list(range(1, STEPS + 1))
     assert sorted(resumed) == list(range(RESUME_STEP + 1, STEPS + 1))
     assert resumed == {step: straight[step] for step in resumed}  # bit for bit
+    for tag in ("qk_clip/max_logit", "qk_clip/heads_clipped"):
+        expected, got = read_scalars(str(reference), tag), read_scalars(str(workdir / "resumed"), tag)
+        assert got == {step: expected[step] for step in resumed}, tag
 
 
 def test_moe_experts_are_all_muon_parameters(workdir):
@@ -192,6 +329,7 @@ def test_moe_experts_are_all_muon_parameters(workdir):
     assert all(row[0] == "AdamW" for row in rows if "router" in row[-1]), rows
     losses = read_losses(str(workdir / "moe"))
     assert sorted(losses) == [1, 2, 3]
+    assert re.search(r"qk_clip/max_logit/layers\.1\.attention: [0-9]", log)  # the TOML's MuonClip, on MLA
 
 
 def test_stock_recipe_trains_with_the_muon_override(workdir):

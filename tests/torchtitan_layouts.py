@@ -2,11 +2,12 @@
 
 ``v030_*`` follow torchtitan 0.3.0 as read in its wheel (models/common/attention.py, moe.py,
 decoder.py, deepseek_v3/mtp.py); 0.3.0 is not installed here. ``v022_*`` follow the installed
-0.2.2. Nothing here runs a forward: the tests only need what parameter classification, Split
-and QK-clip look at.
+0.2.2. Nothing here runs a forward but 0.3.0's inner attention (what max-logit recording hooks):
+the tests only need what parameter classification, Split and QK-clip look at.
 """
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -81,10 +82,15 @@ class V022Model(nn.Module):
 
 
 class V030InnerAttention(nn.Module):
-    """0.3.0's inner attentions name their inputs by layout: (batch, seq, heads, head_dim)."""
+    """0.3.0's ScaledDotProductAttention: inputs named by layout, (batch, seq, heads, head_dim), transposed
+    to (batch, heads, seq, head_dim) for SDPA and back. (FlexAttention, also taking ``attention_masks``, a
+    BlockMask, has the same signature; here a mask's ``mask_mod`` is ignored by the output.)"""
 
-    def forward(self, q_BLNH, k_BLNH, v_BLNH, *, attention_masks=None, scale=None, enable_gqa=False):
-        raise NotImplementedError
+    def forward(self, q_BLNH, k_BLNH, v_BLNH, *, attention_masks=None, scale=None, enable_gqa=False, is_causal=True):
+        q, k, v = (t.transpose(1, 2) for t in (q_BLNH, k_BLNH, v_BLNH))
+        causal = is_causal and attention_masks is None
+        out = F.scaled_dot_product_attention(q, k, v, scale=scale, is_causal=causal, enable_gqa=enable_gqa)
+        return out.transpose(1, 2)
 
 
 class V030FusedQKVLinear(nn.Module):

@@ -1,9 +1,13 @@
 """Record the largest pre-softmax attention logit of every (layer, query head) during forward.
 
-TorchTitan's attention modules hand q, k, v to ``attention.inner_attention`` as
-(batch, heads, seq, head_dim), after RoPE (and for MLA after the nope/rope concat), with the
-softmax scale as a keyword (``scale=None`` means 1/sqrt(head_dim)). A forward pre-hook there
-sees exactly what softmax sees, so nothing in torchtitan has to be forked.
+TorchTitan's attention modules hand q, k, v to ``attention.inner_attention`` after RoPE (and
+for MLA after the nope/rope concat), K heads not repeated for GQA, with the softmax scale as a
+keyword (``scale=None`` means 1/sqrt(head_dim)): torchtitan 0.2.2 as (batch, heads, seq,
+head_dim), 0.3.0 as (batch, seq, heads, head_dim) (``q_BLNH``: :class:`InputLayout` tells them
+apart, and the recording reads the latter through transposed views, no copy). The mask is SDPA's
+``is_causal``, or a FlexAttention ``BlockMask`` (0.2.2 ``block_mask=``, 0.3.0
+``attention_masks=``) whose ``mask_mod`` is evaluated. A forward pre-hook there sees exactly
+what softmax sees, so nothing in torchtitan has to be forked.
 
 The hook keeps a running max over every training forward of a step (micro-batches; activation
 checkpointing's recompute is skipped: it repeats a recorded forward) without building a
@@ -19,6 +23,7 @@ from __future__ import annotations
 import inspect
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -137,13 +142,59 @@ def block_max_logits(
     return (maxima.amax(dim=(0, 1)).float() * scale).transpose(0, 1).reshape(q_heads)
 
 
-def _takes_sequence_major_inputs(inner_attention: nn.Module) -> bool:
-    """torchtitan 0.3.0's inner attentions name their inputs by layout: ``q_BLNH`` (batch, seq, heads, dim)."""
+@dataclass(frozen=True)
+class InputLayout:
+    """How an inner attention takes q and k: their parameter names (for keyword calls) and the
+    dimension of their heads: 1 for (batch, heads, seq, head_dim), torchtitan 0.2.2's layout,
+    2 for (batch, seq, heads, head_dim), 0.3.0's (which names its inputs ``q_BLNH``, ``k_BLNH``)."""
+
+    q_name: str = "q"
+    k_name: str = "k"
+    heads_dim: int = 1
+
+    def head_major(self, t: Tensor) -> Tensor:
+        """``t`` as (batch, heads, seq, head_dim): itself, or a transposed view of it (no copy)."""
+        return t.transpose(1, 2) if self.heads_dim == 2 else t
+
+
+def input_layout(inner_attention: nn.Module) -> InputLayout:
+    """Read from the names of the first two parameters of the class's ``forward``: torchtitan 0.3.0's
+    ``Module.parallelize`` (tensor or expert parallel) replaces the instance's ``forward`` by a
+    ``(*args, **kwargs)`` wrapper that redistributes the inputs, and the hook sees them before it."""
     try:
-        first = next(iter(inspect.signature(inner_attention.forward).parameters), "")
+        names = list(inspect.signature(type(inner_attention).forward).parameters)[1:3]  # after self
     except (TypeError, ValueError):  # no signature to read: a C++ or oddly wrapped forward
-        return False
-    return first.endswith("BLNH")
+        names = []
+    if len(names) < 2:
+        return InputLayout()
+    return InputLayout(*names, heads_dim=2 if all(name.endswith("BLNH") for name in names) else 1)
+
+
+def masking(kwargs: dict) -> tuple[bool, object]:
+    """``(is_causal, mask_mod)`` of an inner attention call's keyword arguments.
+
+    SDPA: ``is_causal`` (default True), no mask. FlexAttention: the ``BlockMask``'s ``mask_mod``
+    (torchtitan 0.2.2 passes it as ``block_mask``, 0.3.0 as ``attention_masks``). Anything that
+    changes the logits in a way not read here raises: a ``score_mod``, or masks without a
+    ``mask_mod`` (0.3.0's varlen ``VarlenMetadata``).
+    """
+    if kwargs.get("score_mod") is not None:
+        raise NotImplementedError(
+            "max-logit recording: the inner attention was given a score_mod, which changes the logits softmax "
+            "sees in a way the recording does not reproduce"
+        )
+    mask = kwargs.get("block_mask")
+    if mask is None:
+        mask = kwargs.get("attention_masks")
+    if mask is None:
+        return bool(kwargs.get("is_causal", True)), None
+    mask_mod = getattr(mask, "mask_mod", None)
+    if mask_mod is None:
+        raise NotImplementedError(
+            f"max-logit recording reads FlexAttention block masks (their mask_mod), not {type(mask).__name__} "
+            "(varlen attention packs documents; its boundaries are not read here)"
+        )
+    return False, mask_mod
 
 
 def _per_head_matmul(q: Tensor) -> bool:
@@ -201,22 +252,35 @@ def query_projection(attention: nn.Module) -> nn.Linear:
     return projection_owner(attention).wq
 
 
+def query_row_units(attention: nn.Module) -> tuple[Tensor, int, int]:
+    """``(weight, rows per unit, query heads per unit)``: the weight whose rows say which query
+    heads a rank computes, cut into units of whole heads. A unit is one query head of the query
+    projection, or for torchtitan 0.3.0's fused ``qkv_linear.wqkv`` one KV group (its query heads,
+    its key head and its value head: tensor parallel shards wqkv by whole groups)."""
+    layout = fused_qkv_layout(attention)
+    if layout is not None:
+        return projection_owner(attention).wqkv.weight, layout.rows // layout.n_kv_heads, layout.heads_per_kv
+    weight = query_projection(attention).weight
+    return weight, weight.shape[0] // int(attention.n_heads), 1
+
+
 def first_local_head(attention: nn.Module, local_heads: int) -> int:
     """Global index of the first query head this rank computes (tensor parallel: not 0).
 
-    Read from the global rows of the query projection's weight as it is during forward: a
-    plain tensor (all heads), or the tensor-parallel DTensor (``Shard(0)``: a head range).
+    Read from the global rows of the query projection's (or fused wqkv's) weight as it is
+    during forward: a plain tensor (all heads), or the tensor-parallel DTensor (``Shard(0)``:
+    a head range, a KV-group range for wqkv).
     """
-    weight = query_projection(attention).weight
-    rows_per_head = weight.shape[0] // int(attention.n_heads)
+    weight, unit_rows, unit_heads = query_row_units(attention)
     start, stop = held_rows(weight)
-    if start % rows_per_head or stop - start != local_heads * rows_per_head:
+    if start % unit_rows or (stop - start) % unit_rows or (stop - start) // unit_rows * unit_heads != local_heads:
+        unit = "heads" if unit_heads == 1 else f"KV groups of {unit_heads} query heads"
         raise NotImplementedError(
             f"max-logit recording: the query projection holds global rows [{start}, {stop}) "
-            f"({getattr(weight, 'placements', 'not a DTensor')}), which are not the {local_heads} whole "
-            f"heads of {rows_per_head} rows that attention received"
+            f"({getattr(weight, 'placements', 'not a DTensor')}), which are not whole {unit} of {unit_rows} rows "
+            f"holding the {local_heads} query heads that attention received"
         )
-    return start // rows_per_head
+    return start // unit_rows * unit_heads
 
 
 def parameter_device(module: nn.Module) -> torch.device:
@@ -254,43 +318,37 @@ class MaxLogitRecorder:
 
     @staticmethod
     def _check_supported(layer: nn.Module) -> None:
-        if hasattr(layer, "qkv_linear") or _takes_sequence_major_inputs(layer.inner_attention):
+        attn_type = getattr(layer, "attn_type", "sdpa")  # torchtitan 0.2.2
+        if attn_type not in ("sdpa", "flex") or type(layer.inner_attention).__name__ == "VarlenAttention":
             raise NotImplementedError(
-                f"max-logit recording is not built for torchtitan 0.3.0's attention ({type(layer).__name__}): its "
-                "inner attention receives q and k as (batch, seq, heads, head_dim), not the (batch, heads, seq, "
-                "head_dim) this hook reads, and llama3 fuses q/k/v into qkv_linear.wqkv. The clip itself handles "
-                "these layouts: with per-head max logits recorded elsewhere, call "
-                "titan_muon.clip.apply_qk_clip(find_attention_layers(model), max_logits)."
-            )
-        attn_type = getattr(layer, "attn_type", "sdpa")
-        if attn_type not in ("sdpa", "flex"):
-            raise NotImplementedError(
-                f"max-logit recording supports attn_type 'sdpa' and 'flex', not {attn_type!r} "
-                "(varlen packs documents; its masks are not read here)"
+                f"max-logit recording supports SDPA and FlexAttention, not varlen attention ({type(layer).__name__}: "
+                f"{type(layer.inner_attention).__name__}, attn_type {attn_type!r}): it packs documents, and its "
+                "masks are not read here"
             )
 
     def _hook_for(self, index: int):
         attention = self.layers[index]
+        layout = input_layout(attention.inner_attention)
 
         def hook(module, args, kwargs):
             # Evaluation forwards are not part of the step; activation recompute repeats a forward
             # already recorded (recording it again would double the cost, not change the max).
             if self.enabled and module.training and not in_backward():
-                q = args[0] if args else kwargs["q"]
-                k = args[1] if len(args) > 1 else kwargs["k"]
-                if isinstance(q, DTensor):  # heads sharded as a DTensor (dim 1): its placement says which
-                    first_head = held_rows(q, 1)[0]
+                q = args[0] if args else kwargs[layout.q_name]
+                k = args[1] if len(args) > 1 else kwargs[layout.k_name]
+                if isinstance(q, DTensor):  # heads sharded as a DTensor: its placement says which
+                    first_head = held_rows(q, layout.heads_dim)[0]
                     q, k = q.to_local(), k.to_local()
                 else:
-                    first_head = first_local_head(attention, q.shape[1])
-                block_mask = kwargs.get("block_mask")
+                    first_head = first_local_head(attention, q.shape[layout.heads_dim])
+                is_causal, mask_mod = masking(kwargs)
                 with torch.no_grad():
                     observed = block_max_logits(
-                        q,
-                        k,
+                        layout.head_major(q),
+                        layout.head_major(k),
                         kwargs.get("scale"),
-                        is_causal=kwargs.get("is_causal", True),
-                        mask_mod=None if block_mask is None else block_mask.mask_mod,
+                        is_causal=is_causal,
+                        mask_mod=mask_mod,
                         block_bytes=self.block_bytes,
                     )
                     self._update(index, first_head, observed)

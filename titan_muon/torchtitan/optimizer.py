@@ -21,7 +21,6 @@ from torchtitan.components.optimizer import (
 from torchtitan.distributed import ParallelDims
 
 from titan_muon import Muon
-from titan_muon.clip import QKClipMetrics, read_metrics
 from titan_muon.torchtitan.config import validate_optimizer_config
 from titan_muon.torchtitan.metrics import time_optimizer_steps
 from titan_muon.torchtitan.muon import (  # noqa: F401
@@ -30,12 +29,13 @@ from titan_muon.torchtitan.muon import (  # noqa: F401
     muon_kwargs,
     param_group_kwargs,
 )
-from titan_muon.torchtitan.qk_clip import build_model_part_qk_clips
+from titan_muon.torchtitan.qk_clip import QKClipAfterStep
 from titan_muon.torchtitan.replicas import check_replicas
 
 
-class MuonOptimizersContainer(OptimizersContainer):
-    """One :class:`titan_muon.Muon` per model part, with its own Muon / AdamW split."""
+class MuonOptimizersContainer(QKClipAfterStep, OptimizersContainer):
+    """One :class:`titan_muon.Muon` per model part, with its own Muon / AdamW split; MuonClip
+    after each step with ``qk_clip = true`` (:class:`QKClipAfterStep`)."""
 
     def __init__(self, model_parts: list[nn.Module], config: Any, parallel_dims: ParallelDims | None = None) -> None:
         kwargs = muon_kwargs(config)
@@ -50,14 +50,7 @@ class MuonOptimizersContainer(OptimizersContainer):
         self._validate_length(len(model_parts))
         params = [p for model in model_parts for p in model.parameters() if p.requires_grad]
         self._post_init(params, kwargs)
-        self.qk_clips = build_model_part_qk_clips(model_parts, config, parallel_dims) if config.qk_clip else []
-        self.qk_clip_metrics: list[QKClipMetrics] = []  # device tensors, read on logging steps only
-
-    def step(self, *args, **kwargs) -> None:
-        """Every optimizer, then MuonClip on the weights they produced (never at lr = 0)."""
-        super().step(*args, **kwargs)
-        pairs = zip(self.qk_clips, self.optimizers)
-        self.qk_clip_metrics = [qk_clip.reduce_and_clip(optimizer) for qk_clip, optimizer in pairs if qk_clip is not None]
+        self._build_qk_clips(model_parts, config, parallel_dims)
 
     @staticmethod
     def _build(model: nn.Module, config: Any, kwargs: dict[str, Any], pipeline: bool = False) -> Muon:
@@ -67,7 +60,7 @@ class MuonOptimizersContainer(OptimizersContainer):
     def last_step_metrics(self) -> dict[str, float]:
         """The last step's Muon metrics; with several model parts (pipeline parallel), bytes,
         times and FLOPs are summed over parts and the other values averaged."""
-        return merged_step_metrics(self.optimizers) | read_metrics(self.qk_clip_metrics)
+        return merged_step_metrics(self.optimizers) | self.qk_clip_step_metrics()
 
 
 def build_optimizers(

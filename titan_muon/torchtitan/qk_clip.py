@@ -10,6 +10,9 @@ A max logit must be reduced over exactly the ranks that hold the same attention 
   norm + output) is skipped alike on every rank of its stage;
 * context parallel: refused. Each rank's attention sees only its slice of the sequence, so
   recorded maxima would miss the query/key pairs across slices.
+
+:class:`QKClipAfterStep` is the part of an optimizers container (torchtitan 0.2.2's and 0.3.0's
+alike) that builds the clips for its model parts and runs them after each step.
 """
 
 from collections.abc import Sequence
@@ -19,19 +22,23 @@ import torch.distributed as dist
 import torch.nn as nn
 from torchtitan.distributed import ParallelDims
 
-from titan_muon.clip import QKClip, build_qk_clips
+from titan_muon.clip import QKClip, QKClipMetrics, build_qk_clips, read_metrics
 
 STAGE_DIMS = ("dp_replicate", "fsdp", "tp")
 
 
-def qk_clip_group(parallel_dims: ParallelDims) -> list[dist.ProcessGroup] | None:
-    """The groups whose product is this rank's pipeline stage; None (the world) without PP."""
-    if parallel_dims.cp_enabled:
+def refuse_context_parallel(context_parallel_degree: int) -> None:
+    if context_parallel_degree > 1:
         raise ValueError(
-            f"[optimizer] qk_clip = true cannot be used with [parallelism] context_parallel_degree = {parallel_dims.cp}: "
+            f"[optimizer] qk_clip = true cannot be used with [parallelism] context_parallel_degree = {context_parallel_degree}: "
             "under context parallelism each rank's attention sees only its slice of the queries and keys, so the "
             "recorded max logits would miss the pairs across slices. Set qk_clip = false or context_parallel_degree = 1."
         )
+
+
+def qk_clip_group(parallel_dims: ParallelDims) -> list[dist.ProcessGroup] | None:
+    """The groups whose product is this rank's pipeline stage; None (the world) without PP."""
+    refuse_context_parallel(parallel_dims.cp)
     if not parallel_dims.pp_enabled:
         return None
     meshes = (parallel_dims.get_optional_mesh(name) for name in STAGE_DIMS)
@@ -47,6 +54,35 @@ def build_model_part_qk_clips(
     return build_qk_clips(
         model_parts, config.qk_clip_tau, config.qk_clip_alpha, group, allow_parts_without_attention=pipeline
     )
+
+
+class QKClipAfterStep:
+    """MuonClip in an optimizers container holding one optimizer per model part (``self.optimizers``).
+
+    Put before torchtitan's ``OptimizersContainer`` in the bases and call :meth:`_build_qk_clips`
+    in ``__init__``: ``step`` then runs every optimizer, then each part's :class:`QKClip` (one MAX
+    all-reduce, the clip, the reset) on the weights they produced, never at lr = 0. Its metrics
+    stay on the device until :meth:`qk_clip_step_metrics` reads them (logging steps only). Torch's
+    optimizer step hooks (step time, MoE load balancing) wrap this ``step``, clip included.
+    """
+
+    qk_clips: list[QKClip | None]
+    qk_clip_metrics: list[QKClipMetrics]
+
+    def _build_qk_clips(self, model_parts: Sequence[nn.Module], config: Any, parallel_dims: ParallelDims | None = None):
+        """The clips of ``config.qk_clip`` (none when off), after the model parts are sharded."""
+        self.qk_clips = build_model_part_qk_clips(model_parts, config, parallel_dims) if config.qk_clip else []
+        self.qk_clip_metrics = []
+
+    def step(self, *args, **kwargs) -> None:
+        """Every optimizer, then MuonClip on the weights they produced (never at lr = 0)."""
+        super().step(*args, **kwargs)
+        pairs = zip(self.qk_clips, self.optimizers)
+        self.qk_clip_metrics = [qk_clip.reduce_and_clip(optimizer) for qk_clip, optimizer in pairs if qk_clip is not None]
+
+    def qk_clip_step_metrics(self) -> dict[str, float]:
+        """The last step's ``qk_clip/*`` metrics (one device-to-host copy), {} with MuonClip off."""
+        return read_metrics(self.qk_clip_metrics)
 
 
 def record_only_stage_forwards(schedule, qk_clips: Sequence[QKClip | None]) -> None:

@@ -4,8 +4,8 @@
         --module titan_muon.torchtitan.v030 --config llama3_gqa_muon --training.steps 50
 
 (or ``-m titan_muon.torchtitan.v030.launch`` with the same flags). Each is the 0.3.0 twin of a
-file in train_configs/: the same model, optimizer settings (without MuonClip, which 0.3.0 does not
-support yet), schedule and offline data (the Python standard library, a BPE tokenizer trained
+file in train_configs/: the same model, optimizer settings (MuonClip included), schedule and offline
+data (the Python standard library, a BPE tokenizer trained
 into ``hf_assets_path`` on first use). Every field is a command-line flag: ``--optimizer.ns_steps
 3``, ``--optimizer.momentum_dtype bf16``, ``--dump_folder DIR``, ``--hf_assets_path DIR``,
 ``--dataloader.dataset text_files --dataloader.dataset_path DIR``. On CPU the settings of
@@ -55,8 +55,9 @@ def trainer_config(
 
 
 def muon_settings(**changes) -> MuonOptimizersContainer.Config:
-    """The [optimizer] section of train_configs/llama3_gqa_muon.toml, less MuonClip."""
-    settings = dict(lr=0.02, weight_decay=0.1, split="head", adamw_lr=0.003, beta1=0.9, beta2=0.95, eps=1e-8)
+    """The [optimizer] section of train_configs/llama3_gqa_muon.toml."""
+    settings = dict(lr=0.02, weight_decay=0.1, split="head", qk_clip=True, adamw_lr=0.003, beta1=0.9, beta2=0.95,
+                    eps=1e-8)  # fmt: skip
     return MuonOptimizersContainer.Config(**{**settings, **changes})
 
 
@@ -65,11 +66,12 @@ def _debug_run(config: MuonTrainer.Config, dump_folder: str) -> MuonTrainer.Conf
     [checkpoint] sections shared by the files in train_configs/."""
     config.dump_folder = dump_folder
     config.lr_scheduler = LRSchedulersContainer.Config(warmup_steps=20)
-    # CUDA graphs of forward + backward cannot hold Muon's backward overlap (MuonTrainer refuses the pair)
-    overlap = getattr(config.optimizer, "overlap", False)
+    # CUDA graphs of forward + backward cannot hold Muon's backward overlap nor MuonClip's recording hooks
+    # (MuonTrainer refuses those pairs)
+    hooks = getattr(config.optimizer, "overlap", False) or getattr(config.optimizer, "qk_clip", False)
     config.training = TrainingConfig(
         local_batch_size=4, seq_len=256, steps=300, max_norm=1.0, mixed_precision_param="float32",
-        disable_cuda_graphs=config.training.disable_cuda_graphs or overlap,
+        disable_cuda_graphs=config.training.disable_cuda_graphs or hooks,
     )  # fmt: skip
     config.metrics.log_freq = 10
     config.metrics.enable_tensorboard = True

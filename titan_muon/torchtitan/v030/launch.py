@@ -1,7 +1,7 @@
 """Launch torchtitan 0.3.0 from a 0.2.2-style TOML file, or from a config function.
 
     torchrun --nproc-per-node 2 -m titan_muon.torchtitan.v030.launch \\
-        --job.config_file train_configs/llama3_gqa_muon.toml --optimizer.no-qk_clip --training.steps 50
+        --job.config_file train_configs/llama3_gqa_muon.toml --training.steps 50
     torchrun --nproc-per-node 2 -m titan_muon.torchtitan.v030.launch \\
         --module titan_muon.torchtitan.v030 --config llama3_gqa_muon --training.steps 50
 

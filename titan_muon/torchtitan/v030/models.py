@@ -71,9 +71,11 @@ def _ends(dim: int, vocab_size: int) -> dict:
 
 
 def llama3_gqa(
-    *, dim: int, n_layers: int, n_heads: int, n_kv_heads: int, vocab_size: int = 2048, multiple_of: int = 256
-) -> Llama3Model.Config:
-    """A llama3 with grouped-query attention (fused Q/K/V, as torchtitan 0.3.0 builds llama3)."""
+    *, dim: int, n_layers: int, n_heads: int, n_kv_heads: int, vocab_size: int = 2048, multiple_of: int = 256,
+    fuse_qkv: bool = True,
+) -> Llama3Model.Config:  # fmt: skip
+    """A llama3 with grouped-query attention: Q/K/V fused into ``qkv_linear.wqkv`` as torchtitan 0.3.0
+    builds llama3, or (``fuse_qkv=False``) separate ``qkv_linear.wq`` / ``wk`` / ``wv``."""
     head_dim = dim // n_heads
     rope = ComplexRoPE.Config(dim=head_dim, max_seq_len=131072, theta=500000, scaling="llama")
     layers = [
@@ -87,7 +89,7 @@ def llama3_gqa(
                 wqkv_param_init=_normal(STD),
                 wo_param_init=_by_depth(layer_id),
                 inner_attention=get_attention_config("flex"),
-                fuse_qkv=True,
+                fuse_qkv=fuse_qkv,
                 rope=rope,
             ),
             feed_forward=make_ffn_config(

@@ -24,8 +24,14 @@ Any stock recipe switches to it with one flag::
 :func:`muon` takes the recipe's catch-all AdamW settings (lr, betas, eps, weight decay) for
 Muon's AdamW groups; Muon's own lr is the Config default (0.02) unless given.
 
-Not supported here (refused, naming the setting): ``qk_clip`` (titan_muon records attention
-logits only in 0.2.2's attention modules), torchtitan's ``param_groups`` table and
+With ``qk_clip = true`` it runs MuonClip after every step exactly as the 0.2.2 container does
+(the same :class:`titan_muon.torchtitan.qk_clip.QKClipAfterStep`): max logits recorded by hooks on
+each attention's inner attention, one MAX all-reduce over the world (0.3.0 builds the optimizer
+without the parallel dims; titan_muon.torchtitan.v030.trainer refuses pipeline and context
+parallel), the clip of the q and k rows (fused ``qkv_linear.wqkv`` or separate ``wq`` / ``wk``,
+MLA's ``wq`` / ``wq_b`` and ``wkv_b``), and the ``qk_clip/*`` metrics.
+
+Not supported here (refused, naming the setting): torchtitan's ``param_groups`` table and
 ``optimizer_factory_kwargs_by_name`` (the split is build_param_groups'; use ``adamw_patterns``
 / ``muon_patterns``), ``implementation = "fused_opt_states_bf16"``.
 """
@@ -45,6 +51,7 @@ from titan_muon.torchtitan import config as optimizer_section
 from titan_muon.torchtitan.config import validate_optimizer_config
 from titan_muon.torchtitan.metrics import time_optimizer_steps
 from titan_muon.torchtitan.muon import build_muon, merged_step_metrics, muon_kwargs
+from titan_muon.torchtitan.qk_clip import QKClipAfterStep
 
 
 def _copied(f: dataclasses.Field) -> tuple[str, Any, dataclasses.Field]:
@@ -65,8 +72,9 @@ _MuonSection = make_dataclass(
 _MuonSection.__module__ = __name__
 
 
-class MuonOptimizersContainer(OptimizersContainer):
-    """One :class:`titan_muon.Muon` per model part, each with its own Muon / AdamW split."""
+class MuonOptimizersContainer(QKClipAfterStep, OptimizersContainer):
+    """One :class:`titan_muon.Muon` per model part, each with its own Muon / AdamW split; MuonClip
+    after each step with ``qk_clip = true``."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(_MuonSection):
@@ -96,12 +104,13 @@ class MuonOptimizersContainer(OptimizersContainer):
         params = [p for opt in self.optimizers for group in opt.param_groups for p in group["params"]]
         self._validate_params(params)
         self._post_init(params)
+        self._build_qk_clips(model_parts, config)  # the world: every rank holds every layer without PP
         time_optimizer_steps(self)
 
     @property
     def last_step_metrics(self) -> dict[str, float]:
-        """The last step's Muon metrics (``muon/*``), merged over model parts."""
-        return merged_step_metrics(self.optimizers)
+        """The last step's Muon metrics (``muon/*``), merged over model parts, and MuonClip's (``qk_clip/*``)."""
+        return merged_step_metrics(self.optimizers) | self.qk_clip_step_metrics()
 
 
 def check_config(config: MuonOptimizersContainer.Config) -> None:
@@ -115,12 +124,6 @@ def check_config(config: MuonOptimizersContainer.Config) -> None:
         )
     if config.optimizer_factory_kwargs_by_name:
         raise ValueError("optimizer.optimizer_factory_kwargs_by_name has no meaning for titan_muon's Muon")
-    if config.qk_clip:
-        raise ValueError(
-            "optimizer.qk_clip = true is not supported with torchtitan 0.3.0 yet: titan_muon records the max "
-            "attention logit per head only in torchtitan 0.2.2's attention modules. Set qk_clip = false "
-            "(--optimizer.no-qk_clip) or use torchtitan 0.2.2 (docs/muonclip.md)"
-        )
 
 
 _STOCK_KEYS = {"lr": "adamw_lr", "eps": "eps", "weight_decay": "weight_decay"}

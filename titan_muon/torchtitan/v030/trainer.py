@@ -12,6 +12,7 @@ from dataclasses import dataclass, fields
 
 from torchtitan.trainer import Trainer
 
+from titan_muon.torchtitan.qk_clip import refuse_context_parallel
 from titan_muon.torchtitan.v030 import cpu
 from titan_muon.torchtitan.v030.optimizer import MuonOptimizersContainer, check_config
 
@@ -20,6 +21,13 @@ def check_supported(config: Trainer.Config) -> None:
     if not isinstance(config.optimizer, MuonOptimizersContainer.Config):
         return
     check_config(config.optimizer)
+    if config.optimizer.qk_clip:
+        refuse_context_parallel(config.parallelism.context_parallel_degree)  # as with 0.2.2
+        if not config.training.disable_cuda_graphs:
+            raise ValueError(
+                "optimizer.qk_clip records max attention logits with Python hooks in the forward, which a CUDA "
+                "graph of forward + backward would replay from its first capture: set --training.disable_cuda_graphs"
+            )
     if config.parallelism.pipeline_parallel_degree > 1:
         raise NotImplementedError(
             "titan_muon's Muon under pipeline parallel is not wired for torchtitan 0.3.0 yet: 0.3.0 builds the "
