@@ -189,6 +189,7 @@ class _OneProcess:
     """The parts of torchtitan's ParallelDims the builders read, for one process: no meshes."""
 
     cp_enabled = pp_enabled = False
+    cp = 1  # context parallel degree (MuonClip refuses > 1)
 
     def get_optional_mesh(self, dims):
         return None
