@@ -23,6 +23,7 @@ or a non-finite gradient anywhere stops or skips the step in every replica alike
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass
 
@@ -248,7 +249,7 @@ class Replicas:
         else:
             mesh, placements = self._mesh(None), (Shard(0),)
         shape = (self.count, *state.shape)
-        stride = tuple(int(torch.tensor(shape[i + 1 :]).prod()) for i in range(len(shape)))
+        stride = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))  # contiguous
         return DTensor.from_local(local_shard(state).unsqueeze(0), mesh, placements, shape=torch.Size(shape), stride=stride)
 
     def own_slice(self, stacked: Tensor, param: Tensor, name: str) -> Tensor:
