@@ -117,7 +117,9 @@ def train(name: str, args) -> dict:
     ]  # fmt: skip
     if name == "demo":
         overrides += ["--optimizer.demo", "--optimizer.no-nesterov", "--optimizer.momentum", str(args.demo_momentum)]
-    command = torchrun_command(CONFIGS[name], overrides, nproc=REPLICAS * SHARDS, entry=(str(Path(__file__).resolve()),))
+    command = torchrun_command(
+        CONFIGS[name], overrides, nproc=REPLICAS * SHARDS, entry=(str(Path(__file__).resolve()),)
+    )
     env = {WORKER_ENV: "1", "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     started = time.time()
     result = finish(start(command, env=env), args.timeout)
@@ -167,7 +169,11 @@ def analyse(name: str, args) -> dict:
                 raise RuntimeError(f"{tag} changes between steps")  # shapes fix the payloads
             return [next(iter(v.values())) for v in values]
 
-        muon, adamw, dense = per_rank("demo/bytes_sent"), per_rank("demo/adamw_bytes_sent"), per_rank("demo/bytes_dense")
+        muon, adamw, dense = (
+            per_rank("demo/bytes_sent"),
+            per_rank("demo/adamw_bytes_sent"),
+            per_rank("demo/bytes_dense"),
+        )
         out.update(
             muon_bytes=statistics.mean(muon),
             adamw_bytes=statistics.mean(adamw),
@@ -190,8 +196,17 @@ def plot(results: dict, args) -> None:
     figure, (loss_axes, bytes_axes) = plt.subplots(1, 2, figsize=(11, 4.2), gridspec_kw={"width_ratios": [1.6, 1]})
     for name, result in results.items():
         steps = sorted(result["held_out"])
-        loss_axes.plot(steps, [result["held_out"][s] for s in steps], marker="o", markersize=3, color=COLORS[name], label=LABELS[name])
-    loss_axes.set(xlabel="step", ylabel="held-out loss", title=f"Held-out loss ({args.val_steps * 4 * 256 * 4:,} tokens)")
+        loss_axes.plot(
+            steps,
+            [result["held_out"][s] for s in steps],
+            marker="o",
+            markersize=3,
+            color=COLORS[name],
+            label=LABELS[name],
+        )
+    loss_axes.set(
+        xlabel="step", ylabel="held-out loss", title=f"Held-out loss ({args.val_steps * 4 * 256 * 4:,} tokens)"
+    )
     low = min(min(r["held_out"].values()) for r in results.values())
     loss_axes.set_ylim(low - 0.1, min(8.5, max(max(r["held_out"].values()) for r in results.values()) + 0.1))
     loss_axes.grid(alpha=0.3)
@@ -203,12 +218,30 @@ def plot(results: dict, args) -> None:
         result = results[name]
         if name == "demo":
             bytes_axes.bar(i, result["adamw_bytes"] / 1e6, color="tab:gray", label="AdamW tensors, dense all-reduce")
-            bytes_axes.bar(i, result["muon_bytes"] / 1e6, bottom=result["adamw_bytes"] / 1e6, color=COLORS[name], label="Muon matrices, DeMo payloads")
+            bytes_axes.bar(
+                i,
+                result["muon_bytes"] / 1e6,
+                bottom=result["adamw_bytes"] / 1e6,
+                color=COLORS[name],
+                label="Muon matrices, DeMo payloads",
+            )
         else:
             bytes_axes.bar(i, result["bytes"] / 1e6, color=COLORS[name])
-        bytes_axes.text(i, result["bytes"] / 1e6, f"{result['bytes'] / 1e6:.2f} MB\n{full / result['bytes']:.1f}× less" if result["bytes"] < full else f"{result['bytes'] / 1e6:.2f} MB", ha="center", va="bottom", fontsize=8)
+        bytes_axes.text(
+            i,
+            result["bytes"] / 1e6,
+            f"{result['bytes'] / 1e6:.2f} MB\n{full / result['bytes']:.1f}× less"
+            if result["bytes"] < full
+            else f"{result['bytes'] / 1e6:.2f} MB",
+            ha="center",
+            va="bottom",
+            fontsize=8,
+        )
     bytes_axes.set_xticks(range(len(names)), [LABELS[n] for n in names], fontsize=8)
-    bytes_axes.set(ylabel="MB sent across replicas per step and rank", title=f"Traffic between {REPLICAS} replicas (× {SHARDS} shards)")
+    bytes_axes.set(
+        ylabel="MB sent across replicas per step and rank",
+        title=f"Traffic between {REPLICAS} replicas (× {SHARDS} shards)",
+    )
     bytes_axes.set_ylim(0, full / 1e6 * 1.2)
     bytes_axes.legend(fontsize=7, loc="upper left")
     figure.tight_layout()
@@ -220,21 +253,24 @@ def plot(results: dict, args) -> None:
 
 def table(results: dict, args) -> str:
     full = max(r["full_sync_bytes"] for r in results.values())
+    last_eval = max(r["held_out_step"] for r in results.values())
     rows = [
-        f"| run | train loss, mean of last {args.window} steps | held-out loss, step {max(r['held_out_step'] for r in results.values())} "
+        f"| run | train loss, mean of last {args.window} steps | held-out loss, step {last_eval} "
         "| bytes across replicas per step and rank | vs full sync | wall time per step (median) |",
         "|---|---|---|---|---|---|",
     ]
     for name, r in results.items():
         ratio = f"{full / r['bytes']:.1f}× fewer" if r["bytes"] < full else "1×"
-        rows.append(f"| {LABELS[name]} | {r['final_train']:.4f} | {r['final_held_out']:.4f} | {r['bytes']:,.0f} | {ratio} | {r['step_s']:.2f} s |")
+        losses = f"{r['final_train']:.4f} | {r['final_held_out']:.4f}"
+        rows.append(f"| {LABELS[name]} | {losses} | {r['bytes']:,.0f} | {ratio} | {r['step_s']:.2f} s |")
     lines = ["\n".join(rows)]
     if "demo" in results:
         d = results["demo"]
+        by_rank = ", ".join(f"{b:,.0f}" for b in d["rank_bytes"])
         lines.append(
-            f"DeMo bytes per rank: Muon-matrix payloads {d['muon_bytes']:,.0f} (dense all-reduce of the same matrices "
-            f"{d['muon_dense']:,.0f}: {d['muon_dense'] / d['muon_bytes']:.0f}× fewer) + AdamW tensors {d['adamw_bytes']:,.0f}; "
-            f"by rank {', '.join(f'{b:,.0f}' for b in d['rank_bytes'])}. Full sync: 2(R−1)/R·4·N/S with N = {d['params']:,} "
+            f"DeMo bytes per rank: Muon-matrix payloads {d['muon_bytes']:,.0f} (dense all-reduce of the same "
+            f"matrices {d['muon_dense']:,.0f}: {d['muon_dense'] / d['muon_bytes']:.0f}× fewer) + AdamW tensors "
+            f"{d['adamw_bytes']:,.0f}; by rank {by_rank}. Full sync: 2(R−1)/R·4·N/S with N = {d['params']:,} "
             f"parameters = {d['full_sync_bytes']:,.0f}; the demo run's logged dense equivalent "
             f"(bytes_dense + adamw_bytes_sent, mean over ranks) = {d['dense_check']:,.0f}."
         )
