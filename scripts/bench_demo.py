@@ -29,7 +29,9 @@ Bytes across replicas per step, per rank (ring wire model, docs/demo.md "Bytes")
 Traffic inside a replica (FSDP2's reduce-scatter/all-gather, Muon's exchange) is the same
 kind in every run and not counted.
 
-Prints a markdown table and writes ``--png`` (held-out loss vs step, bytes per step).
+Prints a markdown table and writes ``--png`` (held-out loss vs step, bytes per step). DeMo
+variants ``demo:β:k`` (e.g. ``--runs demo:0.99:8``) run into folders of their own; list them
+with the three runs and ``--analyse-only`` to put them in the same table and figure.
 """
 
 from __future__ import annotations
@@ -56,8 +58,32 @@ CONFIGS = {
     "muon": "train_configs/llama3_gqa_muon.toml",
     "adamw": "train_configs/llama3_gqa_adamw.toml",
 }
-LABELS = {"demo": "DeMo-Muon", "muon": "Muon, full sync", "adamw": "AdamW, full sync"}
+LABELS = {"muon": "Muon, full sync", "adamw": "AdamW, full sync"}
 COLORS = {"demo": "tab:green", "muon": "tab:orange", "adamw": "tab:blue"}
+VARIANT_COLORS = ["tab:red", "tab:purple", "tab:brown", "tab:olive", "tab:cyan"]
+DEFAULT_TOPK = 8
+
+
+def demo_settings(name: str, args) -> tuple[float, int]:
+    """(β, top-k) of a DeMo run: ``demo`` (--demo-momentum, k 8) or a variant ``demo:β:k``."""
+    if name == "demo":
+        return args.demo_momentum, DEFAULT_TOPK
+    _, beta, topk = name.split(":")
+    return float(beta), int(topk)
+
+
+def folder(name: str, args) -> Path:
+    if name.startswith("demo:"):
+        beta, topk = demo_settings(name, args)
+        return Path(args.out_dir) / f"demo_b{beta:g}_k{topk}"
+    return Path(args.out_dir) / name
+
+
+def label(name: str, args) -> str:
+    if name.startswith("demo"):
+        beta, topk = demo_settings(name, args)
+        return f"DeMo-Muon (β {beta:g}, k {topk})"
+    return LABELS[name]
 
 
 def worker() -> None:
@@ -103,7 +129,7 @@ def read_all_ranks(dump: Path) -> dict[int, dict[str, dict[int, float]]]:
 def train(name: str, args) -> dict:
     from titan_muon.torchtitan.launch import finish, log_tail, start, torchrun_command
 
-    dump = Path(args.out_dir) / name
+    dump = folder(name, args)
     shutil.rmtree(dump, ignore_errors=True)
     dump.mkdir(parents=True)
     overrides = [
@@ -115,11 +141,12 @@ def train(name: str, args) -> dict:
         "--validation.freq", str(args.val_freq), "--validation.steps", str(args.val_steps),
         "--validation.local_batch_size", "4", "--validation.seq_len", "256",
     ]  # fmt: skip
-    if name == "demo":
-        overrides += ["--optimizer.demo", "--optimizer.no-nesterov", "--optimizer.momentum", str(args.demo_momentum)]
-    command = torchrun_command(
-        CONFIGS[name], overrides, nproc=REPLICAS * SHARDS, entry=(str(Path(__file__).resolve()),)
-    )
+    if name.startswith("demo"):
+        beta, topk = demo_settings(name, args)
+        overrides += ["--optimizer.demo", "--optimizer.no-nesterov", "--optimizer.momentum", str(beta)]
+        overrides += ["--optimizer.demo_topk", str(topk)]
+    config = CONFIGS["muon" if name.startswith("demo") else name]
+    command = torchrun_command(config, overrides, nproc=REPLICAS * SHARDS, entry=(str(Path(__file__).resolve()),))
     env = {WORKER_ENV: "1", "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     started = time.time()
     result = finish(start(command, env=env), args.timeout)
@@ -140,7 +167,7 @@ def full_sync_bytes_per_rank(params: int) -> float:
 
 
 def analyse(name: str, args) -> dict:
-    dump = Path(args.out_dir) / name
+    dump = folder(name, args)
     summary = json.loads((dump / "summary.json").read_text())
     ranks = read_all_ranks(dump)
     if sorted(ranks) != list(range(REPLICAS * SHARDS)):
@@ -161,7 +188,7 @@ def analyse(name: str, args) -> dict:
         "params": summary["params"],
         "full_sync_bytes": full_sync_bytes_per_rank(summary["params"]),
     }
-    if name == "demo":
+    if name.startswith("demo"):
 
         def per_rank(tag: str) -> list[float]:
             values = [ranks[r][tag] for r in sorted(ranks)]
@@ -187,62 +214,56 @@ def analyse(name: str, args) -> dict:
     return out
 
 
+def styles(names: list[str]) -> dict[str, tuple[str, str]]:
+    """(color, line style) per run: the three runs solid, DeMo variants dashed."""
+    variants = iter(VARIANT_COLORS)
+    return {n: (COLORS[n], "-") if n in COLORS else (next(variants), "--") for n in names}
+
+
 def plot(results: dict, args) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, (loss_axes, bytes_axes) = plt.subplots(1, 2, figsize=(11, 4.2), gridspec_kw={"width_ratios": [1.6, 1]})
+    style = styles(list(results))
+    figure, (loss_axes, bytes_axes) = plt.subplots(1, 2, figsize=(12, 4.6), gridspec_kw={"width_ratios": [1.5, 1]})
     for name, result in results.items():
         steps = sorted(result["held_out"])
+        color, line = style[name]
         loss_axes.plot(
-            steps,
-            [result["held_out"][s] for s in steps],
-            marker="o",
-            markersize=3,
-            color=COLORS[name],
-            label=LABELS[name],
-        )
-    loss_axes.set(
-        xlabel="step", ylabel="held-out loss", title=f"Held-out loss ({args.val_steps * 4 * 256 * 4:,} tokens)"
-    )
+            steps, [result["held_out"][s] for s in steps], line, marker="o", markersize=3, color=color,
+            label=label(name, args),
+        )  # fmt: skip
+    tokens = args.val_steps * 4 * 256 * REPLICAS * SHARDS
+    loss_axes.set(xlabel="step", ylabel="held-out loss", title=f"Held-out loss ({tokens:,} held-out tokens)")
     low = min(min(r["held_out"].values()) for r in results.values())
-    loss_axes.set_ylim(low - 0.1, min(8.5, max(max(r["held_out"].values()) for r in results.values()) + 0.1))
+    high = max(r["held_out"][s] for r in results.values() for s in r["held_out"] if s >= args.val_freq)
+    loss_axes.set_ylim(low - 0.1, high + 0.1)  # from the first evaluation after step 1
     loss_axes.grid(alpha=0.3)
-    loss_axes.legend()
+    loss_axes.legend(fontsize=8)
 
-    names = list(results)
     full = max(r["full_sync_bytes"] for r in results.values())
-    for i, name in enumerate(names):
-        result = results[name]
-        if name == "demo":
-            bytes_axes.bar(i, result["adamw_bytes"] / 1e6, color="tab:gray", label="AdamW tensors, dense all-reduce")
-            bytes_axes.bar(
-                i,
-                result["muon_bytes"] / 1e6,
-                bottom=result["adamw_bytes"] / 1e6,
-                color=COLORS[name],
-                label="Muon matrices, DeMo payloads",
-            )
+    for i, (name, result) in enumerate(results.items()):
+        color = style[name][0]
+        if name.startswith("demo"):
+            first = i == next(j for j, n in enumerate(results) if n.startswith("demo"))
+            adamw, muon = result["adamw_bytes"] / 1e6, result["muon_bytes"] / 1e6
+            bytes_axes.bar(i, adamw, color="tab:gray", label="AdamW tensors, dense all-reduce" if first else None)
+            bytes_axes.bar(i, muon, bottom=adamw, color=color, label="Muon matrices, DeMo payloads" if first else None)
         else:
-            bytes_axes.bar(i, result["bytes"] / 1e6, color=COLORS[name])
-        bytes_axes.text(
-            i,
-            result["bytes"] / 1e6,
-            f"{result['bytes'] / 1e6:.2f} MB\n{full / result['bytes']:.1f}× less"
-            if result["bytes"] < full
-            else f"{result['bytes'] / 1e6:.2f} MB",
-            ha="center",
-            va="bottom",
-            fontsize=8,
-        )
-    bytes_axes.set_xticks(range(len(names)), [LABELS[n] for n in names], fontsize=8)
+            bytes_axes.bar(i, result["bytes"] / 1e6, color=color)
+        text = f"{result['bytes'] / 1e6:.2f} MB"
+        if result["bytes"] < full:
+            text += f"\n{full / result['bytes']:.1f}× less"
+        bytes_axes.text(i, result["bytes"] / 1e6, text, ha="center", va="bottom", fontsize=8)
+    ticks = [label(n, args).replace(" (", "\n(").replace(", full sync", "\nfull sync") for n in results]
+    bytes_axes.set_xticks(range(len(results)), ticks, fontsize=7)
     bytes_axes.set(
         ylabel="MB sent across replicas per step and rank",
         title=f"Traffic between {REPLICAS} replicas (× {SHARDS} shards)",
     )
-    bytes_axes.set_ylim(0, full / 1e6 * 1.2)
+    bytes_axes.set_ylim(0, max(r["bytes"] for r in results.values()) / 1e6 * 1.25)
     bytes_axes.legend(fontsize=7, loc="upper left")
     figure.tight_layout()
     png = REPO / args.png
@@ -260,9 +281,10 @@ def table(results: dict, args) -> str:
         "|---|---|---|---|---|---|",
     ]
     for name, r in results.items():
-        ratio = f"{full / r['bytes']:.1f}× fewer" if r["bytes"] < full else "1×"
+        ratio = "1×" if r["bytes"] == full else f"{full / r['bytes']:.1f}× fewer"
+        ratio = ratio if r["bytes"] <= full else f"{r['bytes'] / full:.2f}× more"
         losses = f"{r['final_train']:.4f} | {r['final_held_out']:.4f}"
-        rows.append(f"| {LABELS[name]} | {losses} | {r['bytes']:,.0f} | {ratio} | {r['step_s']:.2f} s |")
+        rows.append(f"| {label(name, args)} | {losses} | {r['bytes']:,.0f} | {ratio} | {r['step_s']:.2f} s |")
     lines = ["\n".join(rows)]
     if "demo" in results:
         d = results["demo"]
@@ -274,7 +296,7 @@ def table(results: dict, args) -> str:
             f"parameters = {d['full_sync_bytes']:,.0f}; the demo run's logged dense equivalent "
             f"(bytes_dense + adamw_bytes_sent, mean over ranks) = {d['dense_check']:,.0f}."
         )
-    lines.append("Whole runs: " + ", ".join(f"{LABELS[n]} {r['seconds']:.0f} s" for n, r in results.items()) + ".")
+    lines.append("Whole runs: " + ", ".join(f"{label(n, args)} {r['seconds']:.0f} s" for n, r in results.items()) + ".")
     return "\n\n".join(lines)
 
 
@@ -287,7 +309,11 @@ def main() -> None:
     parser.add_argument("--val-freq", type=int, default=20, help="held-out loss every this many steps (and at step 1)")
     parser.add_argument("--val-steps", type=int, default=8, help="held-out batches (4 × 256 tokens) per rank")
     parser.add_argument("--window", type=int, default=20, help="steps averaged for the final train loss")
-    parser.add_argument("--runs", default="demo,muon,adamw")
+    parser.add_argument(
+        "--runs",
+        default="demo,muon,adamw",
+        help="demo, muon, adamw, or a DeMo variant demo:β:k (e.g. demo:0.99:8), comma-separated",
+    )
     parser.add_argument("--out-dir", default=str(REPO / "outputs" / "bench_demo"))
     parser.add_argument("--png", default="docs/demo_quality.png")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per training run")
