@@ -257,7 +257,7 @@ def plot(results: dict, args) -> None:
         if result["bytes"] < full:
             text += f"\n{full / result['bytes']:.1f}× less"
         bytes_axes.text(i, result["bytes"] / 1e6, text, ha="center", va="bottom", fontsize=8)
-    ticks = [label(n, args).replace(" (", "\n(").replace(", full sync", "\nfull sync") for n in results]
+    ticks = [label(n, args).replace(" (", "\n").replace(", ", "\n").rstrip(")") for n in results]
     bytes_axes.set_xticks(range(len(results)), ticks, fontsize=7)
     bytes_axes.set(
         ylabel="MB sent across replicas per step and rank",
