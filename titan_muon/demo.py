@@ -286,12 +286,12 @@ def local_step_(
 def payload_bytes(rows: int, cols: int, chunk: int = DEFAULT_CHUNK, topk: int = DEFAULT_TOPK, value_dtype: torch.dtype = torch.float32) -> int:
     """Bytes of one replica's (indices, values) for one (rows, cols) matrix per step."""
     kept = chunk_geometry(rows, cols, chunk, topk).kept
-    return kept * (torch.empty((), dtype=index_dtype(chunk)).element_size() + torch.empty((), dtype=value_dtype).element_size())
+    return kept * (index_dtype(chunk).itemsize + value_dtype.itemsize)
 
 
 def dense_bytes(rows: int, cols: int, grad_dtype: torch.dtype = torch.float32) -> int:
     """Bytes of the dense gradient the usual replica all-reduce would reduce."""
-    return rows * cols * torch.empty((), dtype=grad_dtype).element_size()
+    return rows * cols * grad_dtype.itemsize
 
 
 def allgather_bytes_sent(payload: int, replicas: int) -> int:
