@@ -65,6 +65,25 @@ def trainer_flags() -> list[str]:
     return ["--debug.deterministic"] if deterministic_mode() else []
 
 
+def one_sequence_corpus(workdir: Path, tokenizer_dir: Path, seq_len: int = 64) -> Path:
+    """Text files that each tokenize to exactly one training sequence, all the same.
+
+    Every rank then sees the same batch at every step, whatever the world size and the
+    data position, so runs on different numbers of ranks must produce the same losses.
+    """
+    # tokenizers comes with the torchtitan extra: imported only by the runs that use it
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    source = (Path(__file__).resolve().parents[1] / "titan_muon" / "torchtitan" / "data.py").read_text()
+    text = next(source[:n] for n in range(1, len(source)) if len(tokenizer.encode(source[:n]).ids) == seq_len - 1)
+    corpus = workdir / "one_sequence"
+    corpus.mkdir(exist_ok=True)
+    for i in range(40):
+        (corpus / f"copy_{i}.txt").write_text(text)
+    return corpus
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

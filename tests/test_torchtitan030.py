@@ -36,8 +36,7 @@ if not uses_config_functions():
 
 from dataclasses import fields  # noqa: E402
 
-from distributed import tiny_run_flags, trainer_flags  # noqa: E402
-from tokenizers import Tokenizer  # noqa: E402
+from distributed import one_sequence_corpus, tiny_run_flags, trainer_flags  # noqa: E402
 from torch.nn.attention.flex_attention import flex_attention  # noqa: E402
 from torchtitan.config import ConfigManager, apply_overrides  # noqa: E402
 from torchtitan.models.common.attention import FlexAttention  # noqa: E402
@@ -50,7 +49,6 @@ from titan_muon.torchtitan.data import (  # noqa: E402
     ensure_offline_tokenizer,
 )
 from titan_muon.torchtitan.launch import (  # noqa: E402
-    REPO_ROOT,
     finish,
     log_tail,
     read_losses,
@@ -261,20 +259,8 @@ def reference(workdir) -> Path:
     return workdir / "reference"
 
 
-def one_sequence_corpus(workdir: Path, seq_len: int = 64) -> Path:
-    """Text files that each tokenize to one training sequence, all the same: the loss must fall."""
-    tokenizer = Tokenizer.from_file(str(workdir / "tokenizer" / "tokenizer.json"))
-    source = (REPO_ROOT / "titan_muon" / "torchtitan" / "data.py").read_text()
-    text = next(source[:n] for n in range(1, len(source)) if len(tokenizer.encode(source[:n]).ids) == seq_len - 1)
-    corpus = workdir / "one_sequence"
-    corpus.mkdir(exist_ok=True)
-    for i in range(40):
-        (corpus / f"copy_{i}.txt").write_text(text)
-    return corpus
-
-
 def test_two_rank_run_loss_falls_and_muon_metrics_are_logged(workdir):
-    data = ["--training.dataset", "text_files", "--training.dataset_path", str(one_sequence_corpus(workdir))]
+    data = ["--training.dataset", "text_files", "--training.dataset_path", str(one_sequence_corpus(workdir, workdir / "tokenizer"))]
     train(MUON, tiny(workdir, "one_sequence", *data))
     losses = read_losses(str(workdir / "one_sequence"))
     assert sorted(losses) == list(range(1, STEPS + 1))

@@ -9,11 +9,10 @@ import socket
 from pathlib import Path
 
 import pytest
-from tokenizers import Tokenizer
 
-from distributed import tiny_run_flags, trainer_flags
+from distributed import one_sequence_corpus, tiny_run_flags, trainer_flags
 from titan_muon.torchtitan.launch import (
-    REPO_ROOT, finish, log_tail, read_losses, read_scalars, run_training, start, stop, torchrun_command,
+    finish, log_tail, read_losses, read_scalars, run_training, start, stop, torchrun_command,
 )  # fmt: skip
 
 pytestmark = pytest.mark.timeout(1800)
@@ -70,22 +69,6 @@ def test_resume_continues_exactly_like_the_straight_run(reference, workdir):
     straight, resumed = read_losses(str(reference)), read_losses(str(workdir / "resumed"))
     assert sorted(resumed) == list(range(RESUME_STEP + 1, STEPS + 1))
     assert resumed == {step: straight[step] for step in resumed}  # bit for bit
-
-
-def one_sequence_corpus(workdir: Path, tokenizer_dir: Path, seq_len: int = 64) -> Path:
-    """Text files that each tokenize to exactly one training sequence, all the same.
-
-    Every rank then sees the same batch at every step, whatever the world size and the
-    data position, so runs on different numbers of ranks must produce the same losses.
-    """
-    tokenizer = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
-    source = (REPO_ROOT / "titan_muon" / "torchtitan" / "data.py").read_text()
-    text = next(source[:n] for n in range(1, len(source)) if len(tokenizer.encode(source[:n]).ids) == seq_len - 1)
-    corpus = workdir / "one_sequence"
-    corpus.mkdir(exist_ok=True)
-    for i in range(40):
-        (corpus / f"copy_{i}.txt").write_text(text)
-    return corpus
 
 
 @pytest.fixture(scope="module")
