@@ -4,7 +4,8 @@
 #   2. scripts/bench_gpu.py: bf16 Newton-Schulz against torch.mm, Muon's step against AdamW's;
 #   3. scripts/measure_qk_clip_recording.py --long: MuonClip's max-logit recording against the
 #      SDPA forward at sequence length 8192 (time, peak extra memory), Llama-3-8B and DeepSeek-V3
-#      layers (docs/muonclip.md, "Memory and time at sequence length 8192");
+#      layers (docs/muonclip.md, "Memory and time at sequence length 8192"), and with --flex the
+#      fused path: FlexAttention's kernel returning max scores, its cost and its agreement;
 #   4. a 1-GPU torchtitan llama3 debug run, Muon against AdamW (loss and step time).
 # Without a GPU it says so and exits 0.
 #
@@ -24,6 +25,7 @@ python -m pytest -q tests/test_cuda.py tests/test_meta_device.py tests/test_clip
 python scripts/bench_gpu.py | tee "$out/bench.md"
 for shape in llama3_8b deepseek_v3; do
     python scripts/measure_qk_clip_recording.py --long --device cuda --shape "$shape" | tee -a "$out/qk_clip_recording.md"
+    python scripts/measure_qk_clip_recording.py --long --device cuda --shape "$shape" --flex | tee -a "$out/qk_clip_recording.md"
 done
 
 for optimizer in muon adamw; do

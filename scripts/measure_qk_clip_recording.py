@@ -182,6 +182,52 @@ def long_sequence(shape: str, seq: int, device: str, dtype: torch.dtype, repeats
     print(f"| recording / SDPA | {best['recording'] / best['SDPA forward']:.2f}× | {memory['recording'] / memory['SDPA forward']:.2f}× |")
 
 
+def flex_kernel_max_scores(shape: str, seq: int, device: str, dtype: torch.dtype, repeats: int) -> None:
+    """The fused path (CUDA only): compiled FlexAttention's forward with and without
+    ``AuxRequest(max_scores=True)``, against the block recording; and how far the kernel's
+    maxima are from the blocks' (the same quantity, rounded differently)."""
+    from torch.nn.attention.flex_attention import (
+        AuxRequest,
+        create_block_mask,
+        flex_attention,
+    )
+
+    q, k, v = layer_inputs(shape, seq, device, dtype)
+    enable_gqa = q.shape[1] != k.shape[1]
+    kernel = torch.compile(flex_attention)
+    causal = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, seq, seq, device=device)
+
+    def flex(max_scores: bool):
+        aux = AuxRequest(max_scores=True) if max_scores else None
+        return kernel(q, k, v, block_mask=causal, enable_gqa=enable_gqa, return_aux=aux)
+
+    fns = {
+        "flex forward": lambda: flex(False),
+        "flex forward + max scores": lambda: flex(True),
+        "recording (blocks)": lambda: block_max_logits(q, k),
+    }
+    for fn in fns.values():  # warm-up: compilation, autotuning, allocator
+        fn()
+    best = {name: float("inf") for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            best[name] = min(best[name], seconds(fn, device))
+    memory = {name: peak_extra_bytes(fn, device) for name, fn in fns.items()}
+    from_kernel = flex(True)[1].max_scores.amax(dim=(0, 2))
+    from_blocks = block_max_logits(q, k)
+    difference = ((from_kernel - from_blocks).abs().max() / from_blocks.abs().max()).item()
+
+    mib = 1 << 20
+    print(f"{shape} layer, batch 1, seq {seq}, {dtype}, {device} ({torch.cuda.get_device_name()}), compiled FlexAttention, causal:")
+    print("| | time | peak extra memory |")
+    print("|---|---|---|")
+    for name in fns:
+        print(f"| {name} | {1e3 * best[name]:.2f} ms | {memory[name] / mib:.1f} MiB |")
+    extra = best["flex forward + max scores"] - best["flex forward"]
+    print(f"| max scores' extra / blocks | {extra / best['recording (blocks)']:.2f}× | |")
+    print(f"kernel max scores vs block recording: max |difference| / max |logit| = {difference:.2e}")
+
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -193,12 +239,16 @@ def main() -> None:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: fp32 on CPU, bf16 elsewhere")
     parser.add_argument("--shape", choices=sorted(SHAPES_LONG), default="llama3_8b")
     parser.add_argument("--seq", type=int, default=8192)
+    parser.add_argument("--flex", action="store_true", help="with --long on CUDA: FlexAttention's own max scores vs the blocks")
     args = parser.parse_args()
+    if args.flex and not (args.long and args.device != "cpu"):
+        parser.error("--flex needs --long and a CUDA --device (torch's kernel returns max scores on CUDA only)")
     if args.long:
         if args.device == "cpu":
             torch.set_num_threads(1)
         dtype = DTYPES[args.dtype or ("fp32" if args.device == "cpu" else "bf16")]
-        long_sequence(args.shape, args.seq, args.device, dtype, args.repeats)
+        measure = flex_kernel_max_scores if args.flex else long_sequence
+        measure(args.shape, args.seq, args.device, dtype, args.repeats)
         return
     if args.device != "cpu":
         parser.error("--device applies to --long only")

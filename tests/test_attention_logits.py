@@ -27,8 +27,16 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     CheckpointImpl,
     checkpoint_wrapper,
 )
+from torch.nn.attention.flex_attention import (
+    AuxOutput,
+    AuxRequest,
+    create_block_mask,
+    flex_attention,
+)
+from torch.utils import _pytree as pytree
 from torchtitan.config.job_config import ActivationCheckpoint
 from torchtitan.distributed.activation_checkpoint import apply_ac
+from torchtitan.models.attention import FlexAttentionWrapper
 from torchtitan.models.llama3.infra.parallelize import _op_sac_save_list
 from torchtitan_layouts import V030Attention, V030InnerAttention
 
@@ -36,6 +44,7 @@ from titan_muon import attention_logits
 from titan_muon.attention_logits import (
     ACCELERATOR_BLOCK_BYTES,
     CPU_BLOCK_BYTES,
+    FlexKernelTap,
     InputLayout,
     MaxLogitRecorder,
     block_budget,
@@ -46,6 +55,7 @@ from titan_muon.attention_logits import (
     in_backward,
     input_layout,
 )
+from titan_muon.torchtitan.qk_clip import build_model_part_qk_clips
 
 U32 = 2.0**-24  # fp32 unit roundoff
 U16 = 2.0**-8  # bf16 unit roundoff (8 significant bits)
@@ -380,3 +390,168 @@ def test_tensor_parallel_heads_go_to_their_global_slots(fused, monkeypatch):
     got = record(attention, rank_q, rank_k, rank_k, scale=0.3, enable_gqa=True)
     assert torch.isneginf(got[:3]).all()
     torch.testing.assert_close(got[3:], block_max_logits(q[:, 3:], k[:, 1:], 0.3), rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------- the fused FlexAttention path (CUDA kernels)
+
+
+class V030FlexAttention(torch.nn.Module):
+    """0.3.0's FlexAttention call convention: (B, L, N, H) inputs transposed for the class's compiled
+    kernel, which is always asked for ``return_aux`` (lse only with an ``out_transform``) with its
+    ``kernel_options``; the output transposed back."""
+
+    _compiled_flex_attn = None  # set per test: the kernel stand-in
+
+    def __init__(self, kernel_options=None):
+        super().__init__()
+        self.kernel_options = kernel_options or {}
+
+    def forward(self, q_BLNH, k_BLNH, v_BLNH, *, attention_masks, scale=None, enable_gqa=False, out_transform=None):
+        q, k, v = (t.transpose(1, 2) for t in (q_BLNH, k_BLNH, v_BLNH))
+        out, aux = V030FlexAttention._compiled_flex_attn(
+            q, k, v, score_mod=None, block_mask=attention_masks, scale=scale, enable_gqa=enable_gqa,
+            return_aux=AuxRequest(lse=out_transform is not None), kernel_options=self.kernel_options,
+        )  # fmt: skip
+        out = out.transpose(1, 2)
+        return out if out_transform is None else out_transform(out, aux.lse.transpose(1, 2))
+
+
+def masked_scores(q, k, scale, mask_mod):
+    """fp64 scale * q·k with the mask_mod's disallowed pairs at -inf: (B, Hq, Lq, Lk)."""
+    rep = q.shape[1] // k.shape[1]
+    scores = scale * q.double() @ k.double().repeat_interleave(rep, dim=1).transpose(-1, -2)
+    b, h, i, j = torch.meshgrid(*(torch.arange(n) for n in scores.shape), indexing="ij")
+    return scores.masked_fill(~mask_mod(b, h, i, j), -math.inf)
+
+
+def cuda_kernel_stand_in(calls):
+    """What torch 2.13's compiled flex_attention does on CUDA, on CPU: output and logsumexp from the eager
+    kernel, and with ``AuxRequest(max_scores=True)`` each query's max of the scaled, masked scores in fp32
+    (torch's own math reference: ``max(post_mod_scores, dim=-1)``), which the CPU kernel refuses to return."""
+
+    def kernel(q, k, v, *, block_mask, scale=None, enable_gqa=False, return_lse=False, return_aux=None, **options):
+        calls.append(return_aux)
+        out, aux = flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa,
+                                  return_aux=AuxRequest(lse=True))  # fmt: skip
+        if return_aux is None:
+            return (out, aux.lse) if return_lse else out
+        scale_value = q.shape[-1] ** -0.5 if scale is None else scale
+        maxima = masked_scores(q, k, scale_value, block_mask.mask_mod).amax(dim=-1).float()
+        return out, AuxOutput(lse=aux.lse if return_aux.lse else None, max_scores=maxima if return_aux.max_scores else None)
+
+    return kernel
+
+
+def document_causal_mask(length):
+    docs = torch.tensor([[0] * 12 + [1] * (length - 12), [0] * (length - 1) + [1]])
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (docs[b, q_idx] == docs[b, kv_idx]) & (q_idx >= kv_idx)
+
+    return create_block_mask(mask_mod, 2, None, length, length, device="cpu")
+
+
+@pytest.mark.parametrize("version", ["0.2.2", "0.3.0"])
+@pytest.mark.parametrize("with_lse", [False, True])
+def test_fused_flex_records_the_kernels_max_scores(version, with_lse, monkeypatch):
+    """With ``fused=True`` the kernel itself returns each query's max score: the recording is its max
+    over batch and queries per head, no second QKᵀ, and the wrapper's output (and logsumexp) unchanged."""
+    wrapper_class = FlexAttentionWrapper if version == "0.2.2" else V030FlexAttention
+    calls = []
+    monkeypatch.setattr(wrapper_class, "_compiled_flex_attn", cuda_kernel_stand_in(calls))
+    monkeypatch.setattr(attention_logits, "block_max_logits", lambda *a, **k: pytest.fail("unfused recording ran"))
+    attention = v030_attention("gqa", fused=False)
+    attention.inner_attention = wrapper_class()
+    q, k = attention_inputs("gqa", 2, 40, seed=6)  # (B, H, L, D)
+    v = torch.randn(k.shape)
+    block_mask = document_causal_mask(40)
+
+    def forward():
+        if version == "0.2.2":
+            return attention.inner_attention(q, k, v, block_mask=block_mask, scale=0.3, return_lse=with_lse, enable_gqa=True)
+        transform = (lambda out, lse: (out, lse)) if with_lse else None
+        inputs = (t.transpose(1, 2) for t in (q, k, v))
+        return attention.inner_attention(*inputs, attention_masks=block_mask, scale=0.3, enable_gqa=True, out_transform=transform)
+
+    unrecorded = forward()
+    recorder = MaxLogitRecorder([attention], fused=True)
+    assert isinstance(wrapper_class.__dict__["_compiled_flex_attn"], FlexKernelTap)
+    recorded = forward()
+    for got, expected in zip(pytree.tree_leaves(recorded), pytree.tree_leaves(unrecorded), strict=True):
+        assert torch.equal(got, expected)
+    # The kernel was asked once for max scores, with the logsumexp exactly when the wrapper wanted it.
+    assert calls[-1] == AuxRequest(lse=with_lse, max_scores=True) and len(calls) == 2
+    # The recording is the kernel's maxima reduced, bit for bit ...
+    expected = masked_scores(q, k, 0.3, block_mask.mask_mod).amax(dim=(0, 2, 3)).float()
+    assert torch.equal(recorder.max_logits[0], expected)
+    # ... and the max of the logits softmax sees (the unfused recording's quantity), to fp32 rounding.
+    exact, magnitude = dense_max(q, k, 0.3, causal=False)  # magnitude over all pairs bounds the masked ones
+    bound = gamma(q.shape[-1], U32) * magnitude + U32 * exact.abs()
+    assert ((recorder.max_logits[0].double() - masked_scores(q, k, 0.3, block_mask.mask_mod).amax(dim=(0, 2, 3))).abs()
+            <= bound).all()  # fmt: skip
+    # Evaluation and recompute forwards do not ask for max scores; removing restores the kernel.
+    attention.inner_attention.eval()
+    forward()
+    assert calls[-1] in (None, AuxRequest(lse=with_lse))
+    recorder.remove()
+    assert wrapper_class.__dict__["_compiled_flex_attn"] is not None
+    assert not isinstance(wrapper_class.__dict__["_compiled_flex_attn"], FlexKernelTap)
+
+
+def test_fused_is_chosen_by_device_and_backend(monkeypatch):
+    calls = []
+    monkeypatch.setattr(FlexAttentionWrapper, "_compiled_flex_attn", cuda_kernel_stand_in(calls))
+    attention = v030_attention("gqa", fused=False)
+    attention.inner_attention = FlexAttentionWrapper()
+    q, k = attention_inputs("gqa", 2, 40, seed=7)
+    block_mask = document_causal_mask(40)
+    # Default (None): the fused kernel only on CUDA; on CPU the recording computes the maxima itself.
+    recorder = MaxLogitRecorder([attention])
+    attention.inner_attention(q, k, torch.randn(k.shape), block_mask=block_mask, scale=0.3, enable_gqa=True)
+    assert calls == [None]
+    torch.testing.assert_close(recorder.max_logits[0], block_max_logits(q, k, 0.3, mask_mod=block_mask.mask_mod),
+                               rtol=0, atol=0)  # fmt: skip
+    recorder.remove()
+    # fused=True where the kernel cannot answer is refused by name; fused=False never taps.
+    sdpa = v030_attention("gqa", fused=False)
+    with pytest.raises(ValueError, match="fused=True .* needs FlexAttention.*V030InnerAttention"):
+        MaxLogitRecorder([sdpa], fused=True)
+    with pytest.raises(ValueError, match="needs FlexAttention"):  # after tapping the first layer's kernel ...
+        MaxLogitRecorder([attention, sdpa], fused=True)
+    assert not isinstance(FlexAttentionWrapper.__dict__["_compiled_flex_attn"], FlexKernelTap)  # ... untapped again
+    flash = v030_attention("gqa", fused=False)
+    flash.inner_attention = V030FlexAttention(kernel_options={"BACKEND": "FLASH"})
+    with pytest.raises(ValueError, match="no FLASH backend"):
+        MaxLogitRecorder([flash], fused=True)
+    # The TOML key reaches the recorder through the adapter.
+    config = SimpleNamespace(qk_clip_tau=100.0, qk_clip_alpha=0.5, qk_clip_recording="kernel")
+    with pytest.raises(ValueError, match='qk_clip_recording = "kernel"'):
+        build_model_part_qk_clips([torch.nn.ModuleDict({"attention": sdpa})], config)
+    config.qk_clip_recording = "blocks"
+    (clip,) = build_model_part_qk_clips([torch.nn.ModuleDict({"attention": attention})], config)
+    assert clip.recorder.fused is False
+    clip.remove()
+    MaxLogitRecorder([attention], fused=False)
+    assert not isinstance(FlexAttentionWrapper.__dict__["_compiled_flex_attn"], FlexKernelTap)
+
+
+def test_a_wrapper_that_bypasses_the_kernel_is_recorded_unfused(monkeypatch):
+    """A subclass calling flex_attention itself never reaches the tap: the forward hook records from the
+    inputs after all, and disarms the tap so the next layer's call is not taken for this one."""
+    calls = []
+    monkeypatch.setattr(FlexAttentionWrapper, "_compiled_flex_attn", cuda_kernel_stand_in(calls))
+
+    class OwnCall(FlexAttentionWrapper):
+        def forward(self, q, k, v, *, block_mask=None, scale=None, return_lse=False, enable_gqa=False):
+            return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
+
+    attention = v030_attention("gqa", fused=False)
+    attention.inner_attention = OwnCall()
+    recorder = MaxLogitRecorder([attention], fused=True)
+    tap = FlexAttentionWrapper.__dict__["_compiled_flex_attn"]
+    q, k = attention_inputs("gqa", 2, 40, seed=8)
+    block_mask = document_causal_mask(40)
+    attention.inner_attention(q, k, torch.randn(k.shape), block_mask=block_mask, scale=0.3, enable_gqa=True)
+    assert tap.armed is None and calls == []
+    torch.testing.assert_close(recorder.max_logits[0], block_max_logits(q, k, 0.3, mask_mod=block_mask.mask_mod),
+                               rtol=0, atol=0)  # fmt: skip

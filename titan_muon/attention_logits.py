@@ -287,6 +287,77 @@ def parameter_device(module: nn.Module) -> torch.device:
     return next(module.parameters()).device
 
 
+def flex_max_scores_supported() -> bool:
+    """Whether this torch's FlexAttention can return each query's max score (``AuxRequest.max_scores``)."""
+    try:
+        from torch.nn.attention.flex_attention import AuxRequest
+    except ImportError:
+        return False
+    return "max_scores" in AuxRequest._fields
+
+
+class FlexKernelTap:
+    """Stands in for a torchtitan FlexAttention wrapper class's compiled ``flex_attention``.
+
+    Both torchtitan 0.2.2's ``FlexAttentionWrapper`` and 0.3.0's ``FlexAttention`` reach the
+    kernel through one class attribute, ``_compiled_flex_attn`` (``torch.compile(flex_attention)``
+    with their inductor options). Standing in for it, rather than for the wrapper's forward,
+    keeps everything else those wrappers do (compile options, context parallel, kernel options,
+    0.3.0's layout transposes and ``out_transform``). Unarmed it passes every call through
+    unchanged; armed by a recorder for one call, it asks the same kernel for
+    ``AuxRequest(max_scores=True)`` as well, hands the (B, Hq, Lq) maxima to the recorder and
+    returns what the wrapper asked for: the output, plus the logsumexp as the wrapper requested it
+    (0.2.2 ``return_lse=``, 0.3.0 ``return_aux=``).
+    """
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self.armed = None  # a callable taking the max scores, for the next call only
+        self.users = 0
+
+    @classmethod
+    def install(cls, wrapper_class: type) -> FlexKernelTap:
+        tap = wrapper_class.__dict__.get("_compiled_flex_attn")
+        if not isinstance(tap, cls):
+            tap = cls(wrapper_class._compiled_flex_attn)
+            wrapper_class._compiled_flex_attn = tap
+        tap.users += 1
+        return tap
+
+    def uninstall(self, wrapper_class: type) -> None:
+        self.users -= 1
+        if self.users == 0 and wrapper_class.__dict__.get("_compiled_flex_attn") is self:
+            wrapper_class._compiled_flex_attn = self.kernel
+
+    def __call__(self, q, k, v, **kwargs):
+        take, self.armed = self.armed, None
+        if take is None:
+            return self.kernel(q, k, v, **kwargs)
+        from torch.nn.attention.flex_attention import AuxOutput, AuxRequest
+
+        return_lse = bool(kwargs.pop("return_lse", False))
+        request = kwargs.pop("return_aux", None)
+        lse = return_lse or (request is not None and request.lse)
+        out, aux = self.kernel(q, k, v, return_aux=AuxRequest(lse=lse, max_scores=True), **kwargs)
+        take(aux.max_scores)
+        if request is not None:
+            return out, AuxOutput(lse=aux.lse)
+        return (out, aux.lse) if return_lse else out
+
+
+def fused_kernel_class(inner_attention: nn.Module) -> type | None:
+    """The torchtitan FlexAttention wrapper class of ``inner_attention`` whose compiled kernel a
+    :class:`FlexKernelTap` can stand in for, or None (SDPA, varlen, a FLASH backend that cannot
+    return max scores, or a torch without ``AuxRequest.max_scores``)."""
+    if not flex_max_scores_supported():
+        return None
+    for cls in type(inner_attention).__mro__:
+        if "_compiled_flex_attn" in cls.__dict__:
+            options = getattr(inner_attention, "kernel_options", None) or {}
+            return None if options.get("BACKEND") == "FLASH" else cls
+    return None
+
+
 class MaxLogitRecorder:
     """Running max pre-softmax logit per (layer, query head), fed by forward pre-hooks.
 
@@ -294,27 +365,41 @@ class MaxLogitRecorder:
     attribute (torchtitan's llama3/llama4/qwen3 GQA and deepseek_v3 MLA attention).
     ``max_logits`` is a (layers, max heads) fp32 tensor on the layers' parameter device,
     -inf where nothing was recorded. Nothing here reads a tensor on the host.
+
+    ``fused``: FlexAttention layers can have the attention kernel itself return each query's
+    max score (:class:`FlexKernelTap`), which costs one (B, Hq, Lq) fp32 output instead of a
+    second QKᵀ. None (default): on CUDA, where torch 2.13's kernel offers it; True: wherever the
+    layer's attention is FlexAttention (it raises otherwise); False: never.
     """
 
-    def __init__(self, layers: list[nn.Module], block_bytes: int | None = None):
+    def __init__(self, layers: list[nn.Module], block_bytes: int | None = None, fused: bool | None = None):
         if not layers:
             raise ValueError("MaxLogitRecorder: no attention layers to record")
         self.layers = layers
         self.heads = [int(layer.n_heads) for layer in layers]
         self.block_bytes = block_bytes
+        self.fused = fused
         self.max_logits = torch.full((len(layers), max(self.heads)), -math.inf, device=parameter_device(layers[0]))
         self.enabled = True
         self._handles = []
-        for index, layer in enumerate(layers):
-            self._check_supported(layer)
-            hook = self._hook_for(index)
-            self._handles.append(layer.inner_attention.register_forward_pre_hook(hook, with_kwargs=True))
+        self._taps: list[tuple[FlexKernelTap, type]] = []
+        try:
+            for index, layer in enumerate(layers):
+                self._check_supported(layer)
+                tap = self._tap_for(layer) if fused is not False else None
+                pre_hook, post_hook = self._hooks_for(index, tap)
+                self._handles.append(layer.inner_attention.register_forward_pre_hook(pre_hook, with_kwargs=True))
+                if post_hook is not None:
+                    self._handles.append(layer.inner_attention.register_forward_hook(post_hook))
+        except BaseException:
+            self.remove()  # a refused layer leaves no hook or kernel tap behind
+            raise
 
     @classmethod
-    def attach(cls, model: nn.Module, block_bytes: int | None = None) -> MaxLogitRecorder:
+    def attach(cls, model: nn.Module, block_bytes: int | None = None, fused: bool | None = None) -> MaxLogitRecorder:
         from titan_muon.clip import find_attention_layers
 
-        return cls([layer.module for layer in find_attention_layers(model)], block_bytes)
+        return cls([layer.module for layer in find_attention_layers(model)], block_bytes, fused)
 
     @staticmethod
     def _check_supported(layer: nn.Module) -> None:
@@ -326,34 +411,73 @@ class MaxLogitRecorder:
                 "masks are not read here"
             )
 
-    def _hook_for(self, index: int):
+    def _tap_for(self, layer: nn.Module) -> FlexKernelTap | None:
+        kernel_class = fused_kernel_class(layer.inner_attention)
+        if kernel_class is None:
+            if self.fused:
+                raise ValueError(
+                    f"max-logit recording with fused=True (TOML qk_clip_recording = \"kernel\") needs FlexAttention whose kernel can return max scores "
+                    f"(torch with AuxRequest.max_scores, no FLASH backend); {type(layer).__name__}'s inner attention "
+                    f"is {type(layer.inner_attention).__name__}"
+                )
+            return None
+        tap = FlexKernelTap.install(kernel_class)
+        self._taps.append((tap, kernel_class))
+        return tap
+
+    def _hooks_for(self, index: int, tap: FlexKernelTap | None):
         attention = self.layers[index]
         layout = input_layout(attention.inner_attention)
+        pending = []  # the inputs of a fused call, until the kernel has answered
 
-        def hook(module, args, kwargs):
+        def inputs(args, kwargs) -> tuple[Tensor, Tensor, int]:
+            q = args[0] if args else kwargs[layout.q_name]
+            k = args[1] if len(args) > 1 else kwargs[layout.k_name]
+            if isinstance(q, DTensor):  # heads sharded as a DTensor: its placement says which
+                return q.to_local(), k.to_local(), held_rows(q, layout.heads_dim)[0]
+            return q, k, first_local_head(attention, q.shape[layout.heads_dim])
+
+        def record_blocks(q: Tensor, k: Tensor, first_head: int, kwargs: dict) -> None:
+            is_causal, mask_mod = masking(kwargs)
+            with torch.no_grad():
+                observed = block_max_logits(
+                    layout.head_major(q),
+                    layout.head_major(k),
+                    kwargs.get("scale"),
+                    is_causal=is_causal,
+                    mask_mod=mask_mod,
+                    block_bytes=self.block_bytes,
+                )
+                self._update(index, first_head, observed)
+
+        def pre_hook(module, args, kwargs):
             # Evaluation forwards are not part of the step; activation recompute repeats a forward
             # already recorded (recording it again would double the cost, not change the max).
-            if self.enabled and module.training and not in_backward():
-                q = args[0] if args else kwargs[layout.q_name]
-                k = args[1] if len(args) > 1 else kwargs[layout.k_name]
-                if isinstance(q, DTensor):  # heads sharded as a DTensor: its placement says which
-                    first_head = held_rows(q, layout.heads_dim)[0]
-                    q, k = q.to_local(), k.to_local()
-                else:
-                    first_head = first_local_head(attention, q.shape[layout.heads_dim])
-                is_causal, mask_mod = masking(kwargs)
-                with torch.no_grad():
-                    observed = block_max_logits(
-                        layout.head_major(q),
-                        layout.head_major(k),
-                        kwargs.get("scale"),
-                        is_causal=is_causal,
-                        mask_mod=mask_mod,
-                        block_bytes=self.block_bytes,
-                    )
-                    self._update(index, first_head, observed)
+            if not (self.enabled and module.training and not in_backward()):
+                return
+            q, k, first_head = inputs(args, kwargs)
+            if tap is not None and (self.fused or q.device.type == "cuda"):
+                masking(kwargs)  # what the kernel is given but the recording cannot read still raises
 
-        return hook
+                def take(max_scores: Tensor) -> None:
+                    pending.clear()
+                    scores = max_scores.to_local() if isinstance(max_scores, DTensor) else max_scores
+                    with torch.no_grad():
+                        self._update(index, first_head, scores.detach().amax(dim=(0, 2)))
+
+                pending[:] = [(q, k, first_head, kwargs)]
+                tap.armed = take
+            else:
+                record_blocks(q, k, first_head, kwargs)
+
+        def post_hook(module, args, output):
+            # A wrapper that did not reach the kernel through the tap (a subclass calling
+            # flex_attention itself): record from the inputs after all, and disarm.
+            if pending:
+                tap.armed = None
+                record_blocks(*pending.pop())
+
+        return pre_hook, post_hook if tap is not None else None
 
     def _update(self, index: int, first_head: int, observed: Tensor) -> None:
         if self.max_logits.device != observed.device:  # the model moved after the recorder was built
@@ -379,3 +503,6 @@ class MaxLogitRecorder:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        for tap, kernel_class in self._taps:
+            tap.uninstall(kernel_class)
+        self._taps.clear()

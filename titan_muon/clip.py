@@ -254,11 +254,12 @@ class QKClip:
         alpha: float = 0.5,
         group: dist.ProcessGroup | Sequence[dist.ProcessGroup] | None = None,
         block_bytes: int | None = None,
+        fused: bool | None = None,
     ):
         _check_hyperparameters(tau, alpha)
         self.tau, self.alpha, self.group = float(tau), float(alpha), group
         self.layers = find_attention_layers(model)
-        self.recorder = MaxLogitRecorder([layer.module for layer in self.layers], block_bytes)
+        self.recorder = MaxLogitRecorder([layer.module for layer in self.layers], block_bytes, fused)
 
     def reduce_and_clip(
         self, optimizer: torch.optim.Optimizer | None = None, *, lr: float | Tensor | None = None
@@ -306,6 +307,7 @@ def build_qk_clips(
     group: dist.ProcessGroup | Sequence[dist.ProcessGroup] | None = None,
     *,
     block_bytes: int | None = None,
+    fused: bool | None = None,
     allow_parts_without_attention: bool = False,
 ) -> list[QKClip | None]:
     """One :class:`QKClip` per model part, ``None`` for a part without attention layers.
@@ -318,7 +320,7 @@ def build_qk_clips(
     clips: list[QKClip | None] = []
     for index, part in enumerate(model_parts):
         if find_attention_layers(part, required=not allow_parts_without_attention):
-            clips.append(QKClip(part, tau, alpha, group, block_bytes))
+            clips.append(QKClip(part, tau, alpha, group, block_bytes, fused))
         else:
             logger.warning("QK-clip: model part %d (%s) has no attention layer: nothing to clip in it", index, type(part).__name__)
             clips.append(None)

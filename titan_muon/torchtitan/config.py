@@ -63,6 +63,10 @@ class Optimizer:
     qk_clip_tau: float = 100.0
     qk_clip_alpha: float = 0.5
     """Share of the clip put on the query side (MHA; MLA's q_nope / k_nope)."""
+    qk_clip_recording: Literal["auto", "kernel", "blocks"] = "auto"
+    """Where the max logits come from: "kernel" has FlexAttention's kernel return each query's max
+    score (CUDA), "blocks" recomputes QKᵀ in blocks of bounded memory, "auto" takes the kernel's
+    where it can (FlexAttention on CUDA) and blocks elsewhere (docs/muonclip.md)."""
     nonfinite_grads: Literal["raise", "skip"] = "raise"
     """What to do with a NaN/inf gradient: "raise" on every rank, or "skip" the step."""
     demo: bool = False

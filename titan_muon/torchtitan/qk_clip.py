@@ -52,7 +52,12 @@ def build_model_part_qk_clips(
     group = None if parallel_dims is None else qk_clip_group(parallel_dims)
     pipeline = parallel_dims is not None and parallel_dims.pp_enabled
     return build_qk_clips(
-        model_parts, config.qk_clip_tau, config.qk_clip_alpha, group, allow_parts_without_attention=pipeline
+        model_parts,
+        config.qk_clip_tau,
+        config.qk_clip_alpha,
+        group,
+        fused={"auto": None, "kernel": True, "blocks": False}[config.qk_clip_recording],
+        allow_parts_without_attention=pipeline,
     )
 
 
