@@ -555,3 +555,30 @@ def test_a_wrapper_that_bypasses_the_kernel_is_recorded_unfused(monkeypatch):
     assert tap.armed is None and calls == []
     torch.testing.assert_close(recorder.max_logits[0], block_max_logits(q, k, 0.3, mask_mod=block_mask.mask_mod),
                                rtol=0, atol=0)  # fmt: skip
+
+
+def test_fused_recording_traces_under_compile_fullgraph(monkeypatch):
+    """torchtitan compiles each block with ``fullgraph=True``: arming the tap in the pre-hook and the
+    tapped kernel call trace without a graph break (aot_eager: tracing without inductor's compile)."""
+    calls = []
+    monkeypatch.setattr(FlexAttentionWrapper, "_compiled_flex_attn", cuda_kernel_stand_in(calls))
+    attention = v030_attention("gqa", fused=False)
+    attention.inner_attention = FlexAttentionWrapper()
+    recorder = MaxLogitRecorder([attention], fused=True)
+    q, k = attention_inputs("gqa", 2, 40, seed=9)
+    v = torch.randn(k.shape)
+    block_mask = document_causal_mask(40)
+
+    def inner(q, k, v):
+        return attention.inner_attention(q, k, v, block_mask=block_mask, scale=0.3, enable_gqa=True)
+
+    expected_out = flex_attention(q, k, v, block_mask=block_mask, scale=0.3, enable_gqa=True)
+    out = torch.compile(inner, fullgraph=True, backend="aot_eager")(q, k, v)
+    # aot_eager runs the same aten ops in the same order (no fusion), possibly with other strides:
+    # fp32 rounding at most, as test_clip_device's compile test allows.
+    torch.testing.assert_close(out, expected_out)
+    assert calls == [AuxRequest(lse=False, max_scores=True)]
+    # The stand-in's fp64 maxima rounded to fp32; traced, the fp64 sums may change order (~1e-16
+    # relative), which can move the fp32 rounding by one ulp at most.
+    expected = masked_scores(q, k, 0.3, block_mask.mask_mod).amax(dim=(0, 2, 3)).float()
+    torch.testing.assert_close(recorder.max_logits[0], expected, rtol=2.0**-23, atol=0)
