@@ -67,7 +67,10 @@ class MuonTrainer(Trainer):
 
     def train(self):
         if isinstance(self.checkpointer, CheckpointManager):  # DCP; not the torch_checkpointing backend
-            check_before_resume(self.checkpointer, self.config.checkpoint, initial_load_when_none_complete=True)
+            check_before_resume(
+                self.checkpointer, self.config.checkpoint, pipeline_stage=self.parallel_dims.pp_enabled,
+                initial_load_when_none_complete=True,
+            )  # fmt: skip
         try:
             super().train()
         except CheckpointException as error:  # every rank's causes, in one readable error
