@@ -41,6 +41,7 @@ from dataclasses import MISSING, dataclass, field, fields, make_dataclass
 from types import SimpleNamespace
 from typing import Any
 
+import torch.distributed as dist
 import torch.nn as nn
 from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.config import override
@@ -129,6 +130,11 @@ class MuonOptimizersContainer(QKClipAfterStep, OptimizersContainer):
             if qk_clip is not None:
                 qk_clip.remove()
         self._build_qk_clips(self.model_parts, self.config, parallel_dims)
+        logger.info(
+            f"titan_muon Muon under pipeline parallel: stages agree on non-finite gradients with ranks "
+            f"{dist.get_process_group_ranks(pipeline_group)}"
+            + (", MuonClip reduces max logits within the stage" if self.config.qk_clip else "")
+        )
 
     def step(self, *args, **kwargs) -> None:
         if self.pipeline_stage and self.parallel_dims is None:
