@@ -26,10 +26,17 @@ Muon's AdamW groups; Muon's own lr is the Config default (0.02) unless given.
 
 With ``qk_clip = true`` it runs MuonClip after every step exactly as the 0.2.2 container does
 (the same :class:`titan_muon.torchtitan.qk_clip.QKClipAfterStep`): max logits recorded by hooks on
-each attention's inner attention, one MAX all-reduce over the world (0.3.0 builds the optimizer
-without the parallel dims; titan_muon.torchtitan.v030.trainer refuses pipeline and context
-parallel), the clip of the q and k rows (fused ``qkv_linear.wqkv`` or separate ``wq`` / ``wk``,
-MLA's ``wq`` / ``wq_b`` and ``wkv_b``), and the ``qk_clip/*`` metrics.
+each attention's inner attention, one MAX all-reduce over the ranks that hold the same layers, the
+clip of the q and k rows (fused ``qkv_linear.wqkv`` or separate ``wq`` / ``wk``, MLA's ``wq`` /
+``wq_b`` and ``wkv_b``), and the ``qk_clip/*`` metrics. Context parallel is refused
+(titan_muon.torchtitan.v030.trainer).
+
+Pipeline parallel: 0.3.0 builds the container without the parallel dims, which the 0.2.2 container
+gets at construction. A stage's container knows it is one from its model parts (torchtitan's split
+leaves None for the modules a stage does not hold) and waits for :meth:`use_parallel_dims`, which
+titan_muon.torchtitan.v030.trainer calls once torchtitan's setup is done: each Muon then joins the
+pipeline group (a non-finite gradient in any stage raises or skips in every stage) and MuonClip is
+built over the stage's data-parallel and tensor-parallel groups. Until then it refuses to step.
 
 Not supported here (refused, naming the setting): torchtitan's ``param_groups`` table and
 ``optimizer_factory_kwargs_by_name`` (the split is build_param_groups'; use ``adamw_patterns``
