@@ -386,6 +386,8 @@ def test_torch_2_13_schedules_take_0_3_0s_microbatch_lists():
     assert called["losses"] is losses and called["loss_kwargs"] == {"global_valid_tokens": count}
     schedule.step(arg_mbs=None, kwarg_mbs=[{}, {}], target_mbs=None, losses=None)  # a middle stage
     assert schedule.called["args"] == () and schedule.called["target"] is None
+    schedule.step(target=None, arg_mbs=[(tokens[:2],), (tokens[2:],)], target_mbs=[labels[:2], labels[2:]])  # eval()
+    assert torch.equal(schedule.called["args"][0], tokens) and torch.equal(schedule.called["target"], labels)
 
 
 def test_a_folder_without_a_complete_checkpoint_falls_back_to_initial_load_path_checked(tmp_path):
@@ -409,6 +411,11 @@ def test_a_folder_without_a_complete_checkpoint_falls_back_to_initial_load_path_
 
 LAYOUT_STEPS, LAYOUT_CHECKPOINT = 4, 2
 PIPELINE = ["--parallelism.pipeline_parallel_degree", "2"]  # x FSDP 2 on 4 ranks (dp_shard = -1)
+# validation at steps 2 and 4: under PP through the schedule's eval(), with the same microbatch lists
+VALIDATION = [
+    "--validator.enable", "--validator.freq", "2", "--validator.steps", "1",
+    "--validator.dataloader.dataset", "python_stdlib_validation",
+]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -434,14 +441,14 @@ def layout_run(workdir, layouts, dump: str, *extra: str, nproc: int = 4, saving:
 @pytest.fixture(scope="module")
 def fsdp_run(workdir, layouts) -> Path:
     """The reference: FSDP 2 on 2 ranks."""
-    return layout_run(workdir, layouts, "fsdp2", nproc=2)
+    return layout_run(workdir, layouts, "fsdp2", *VALIDATION, nproc=2)
 
 
 @pytest.fixture(scope="module")
 def pipeline_run(workdir, layouts) -> tuple[Path, str]:
     """PP 2 x FSDP 2 on 4 ranks (1F1B, 2 microbatches of one sequence), checkpoint at step 2."""
-    log = train(MUON, tiny(workdir, "pp2_fsdp2", *layouts["common"], *layouts["saving"], *PIPELINE, steps=LAYOUT_STEPS),
-                nproc=4)  # fmt: skip
+    flags = [*layouts["common"], *layouts["saving"], *PIPELINE, *VALIDATION]
+    log = train(MUON, tiny(workdir, "pp2_fsdp2", *flags, steps=LAYOUT_STEPS), nproc=4)
     return workdir / "pp2_fsdp2", log
 
 
@@ -468,6 +475,9 @@ TENSOR_PARALLEL = 2048 * 2**-24
 def test_pipeline_parallel_trains_like_fsdp(pipeline_run, fsdp_run):
     dump, log = pipeline_run
     assert_same_run(dump, fsdp_run, REASSOCIATED)
+    validation = read_scalars(str(fsdp_run), "validation_metrics/loss")
+    assert {2, 4} <= set(validation)
+    assert read_scalars(str(dump), "validation_metrics/loss") == pytest.approx(validation, rel=REASSOCIATED, abs=0)
     assert "stages agree on non-finite gradients with ranks [0, 2], MuonClip reduces max logits within the stage" in log
     # The logging rank (the last stage's) reports its stage's layer, as recorded without PP. Reduced over the
     # world, each stage's one recorded layer would take the other's max (layer 0's 0.11 for layer 1's 0.098 at

@@ -82,10 +82,10 @@ def accept_microbatch_lists(schedule) -> None:
         return
     whole_batch_step = schedule.step
 
-    def step(*args, arg_mbs=None, kwarg_mbs=None, target_mbs=None, **rest):
+    def step(*args, arg_mbs=None, kwarg_mbs=None, target_mbs=None, target=None, **rest):
         if arg_mbs is None and kwarg_mbs is None and target_mbs is None:
-            return whole_batch_step(*args, **rest)
-        if args or "target" in rest:
+            return whole_batch_step(*args, target=target, **rest)
+        if args or target is not None:  # eval() passes target=None along
             raise TypeError("schedule.step: give either the whole batch or the microbatch lists, not both")
         whole_args = tuple(torch.cat(parts) for parts in zip(*arg_mbs)) if arg_mbs else ()
         whole_kwargs = _concatenated_kwargs(kwarg_mbs or [])
