@@ -51,9 +51,11 @@ def stage_run(rank, world):
     }
 
 
-def stage_skip_run(rank, world, policy):
+def stage_skip_run(rank, world, policy, join_later=False):
     """PP 2 x FSDP 2; at step 1 only stage 1 sees a NaN gradient. With the pipeline group
-    passed, both stages skip (or both raise): a stage must not step while another skips."""
+    passed, both stages skip (or both raise): a stage must not step while another skips.
+    ``join_later``: the group is given after construction (``set_pipeline_group``), as
+    torchtitan 0.3.0's container does."""
     mesh = init_device_mesh("cpu", (2, DP), mesh_dim_names=("pp", "dp"))
     stage = mesh.get_coordinate()[0]
     full = make_params(stage, STAGE_SHAPES[stage])
@@ -65,7 +67,11 @@ def stage_skip_run(rank, world, policy):
         {"params": [(n, p) for n, p in named.items() if n in MUON]},
         {"params": [(n, p) for n, p in named.items() if n not in MUON], "use_muon": False},
     ]
-    optimizer = Muon(groups, nonfinite_grads=policy, pipeline_group=mesh["pp"].get_group(), **SETTINGS)
+    if join_later:
+        optimizer = Muon(groups, nonfinite_grads=policy, **SETTINGS)
+        optimizer.set_pipeline_group(mesh["pp"].get_group())
+    else:
+        optimizer = Muon(groups, nonfinite_grads=policy, pipeline_group=mesh["pp"].get_group(), **SETTINGS)
     outcome, before = "stepped", None
     for step in range(2):
         grads = grads_for(step, full)

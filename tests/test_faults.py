@@ -267,3 +267,27 @@ def test_initial_load_path_is_not_silently_dropped_for_a_folder_of_interrupted_s
     (tmp_path / "dump" / "checkpoint" / "step-3").mkdir(parents=True)  # a first save that was killed
     with pytest.raises(CheckpointError, match="holds no complete checkpoint.*would ignore checkpoint.initial_load_path"):
         check_initial(tmp_path, good)
+
+
+def test_a_pipeline_stage_checks_only_its_own_parameters(tmp_path):
+    """Under pipeline parallel each rank's optimizer holds one stage's parameters and the
+    checkpoint every stage's: the others' state is no sign of a changed setup (resuming under
+    PP was refused before), but a change to this stage's parameters still is."""
+
+    def states(optimizer_state: dict[str, torch.Tensor]) -> dict[str, Holder]:
+        model = {name.removeprefix("state.").rsplit(".", 1)[0]: torch.ones(2, 2) for name in optimizer_state}
+        return {"model": Holder(model), "optimizer": Holder(optimizer_state)}
+
+    folder = tmp_path / "dump" / "checkpoint"
+    whole = {f"state.{name}.weight.momentum_buffer": torch.zeros(2, 2) for name in ("a", "b")}
+    save(folder / "step-10", states(whole))
+    config = CheckpointConfig(enable=True)
+    stage = SimpleNamespace(folder=str(folder), states=states({"state.a.weight.momentum_buffer": torch.zeros(2, 2)}))
+    other_stage = r"b\.weight: checkpoint has \['momentum_buffer'\], this run expects nothing"
+    with pytest.raises(CheckpointError, match=other_stage):
+        check_before_resume(stage, config)
+    check_before_resume(stage, config, pipeline_stage=True)
+    moved = SimpleNamespace(folder=str(folder), states=states({"state.a.weight.exp_avg": torch.zeros(2, 2)}))
+    changed = r"a\.weight: checkpoint has \['momentum_buffer'\], this run expects \['exp_avg'\]"
+    with pytest.raises(CheckpointError, match=changed):
+        check_before_resume(moved, config, pipeline_stage=True)

@@ -84,10 +84,11 @@ def test_split_accepts_a_stage_without_attention_under_pipeline_parallel_only():
 # ------------------------------------------------- one optimizer per stage
 
 
-@pytest.mark.parametrize("policy", ["skip", "raise"])
-def test_a_nonfinite_gradient_in_one_stage_skips_or_raises_in_every_stage(policy):
-    """Each stage's optimizer used to decide alone: stage 0 stepped while stage 1 skipped."""
-    for result in run_distributed(stage_skip_run, 2 * DP, policy):
+@pytest.mark.parametrize("policy, join_later", [("skip", False), ("raise", False), ("skip", True)])
+def test_a_nonfinite_gradient_in_one_stage_skips_or_raises_in_every_stage(policy, join_later):
+    """Each stage's optimizer used to decide alone: stage 0 stepped while stage 1 skipped.
+    ``join_later``: the pipeline group given by set_pipeline_group after construction (0.3.0)."""
+    for result in run_distributed(stage_skip_run, 2 * DP, policy, join_later):
         assert result["unchanged"], result["stage"]
         if policy == "skip":
             assert result["outcome"] == "stepped" and result["skipped"] == 1

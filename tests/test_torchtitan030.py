@@ -9,7 +9,9 @@ docs/torchtitan.md, "torchtitan 0.3.0", for the environment and the command:
 
 The runs go through ``torchrun -m titan_muon.train`` (which picks the 0.3 adapter) with a train_configs/ TOML
 file and the suite's usual flags (0.2.2 names, translated by the launcher): a tiny model,
-64-token sequences, 2 ranks, each launch with a timeout. MuonClip is on as the TOML files set it.
+64-token sequences, 2 ranks (4 for the parallel layouts: PP 2 x FSDP 2, TP 2 x FSDP 2, HSDP 2 x 2,
+each compared with FSDP 2 from the same seed checkpoint), each launch with a timeout. MuonClip is on
+as the TOML files set it.
 
 MuonClip's recording is also checked in one process on 0.3.0's own attention modules (llama3 with
 fused or separate q/k/v, deepseek_v3 MLA; SDPA, and FlexAttention with its packed-document mask):
@@ -20,6 +22,7 @@ brings the clipped heads to tau on a re-recording.
 import math
 import re
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -35,14 +38,18 @@ if not uses_config_functions():
     )
 
 from dataclasses import fields  # noqa: E402
+from types import SimpleNamespace  # noqa: E402
 
+import torch.distributed.checkpoint as dcp  # noqa: E402
 from distributed import one_sequence_corpus, tiny_run_flags, trainer_flags  # noqa: E402
 from torch.nn.attention.flex_attention import flex_attention  # noqa: E402
+from torchtitan.components.checkpointer import CheckpointManager  # noqa: E402
 from torchtitan.config import ConfigManager, apply_overrides  # noqa: E402
 from torchtitan.models.common.attention import FlexAttention  # noqa: E402
 
 from titan_muon.clip import QKClip  # noqa: E402
 from titan_muon.torchtitan import config as optimizer_section  # noqa: E402
+from titan_muon.torchtitan.checkpoint import CheckpointError, check_before_resume  # noqa: E402
 from titan_muon.torchtitan.data import (  # noqa: E402
     PYTHON_FILES,
     STDLIB_DIR,
@@ -59,7 +66,7 @@ from titan_muon.torchtitan.launch import (  # noqa: E402
 from titan_muon.torchtitan.v030 import cpu  # noqa: E402
 from titan_muon.torchtitan.v030.launch import parse  # noqa: E402
 from titan_muon.torchtitan.v030.models import llama3_gqa, model_spec  # noqa: E402
-from titan_muon.torchtitan.v030.optimizer import MuonOptimizersContainer  # noqa: E402
+from titan_muon.torchtitan.v030.optimizer import MuonOptimizersContainer, is_pipeline_stage  # noqa: E402
 from titan_muon.torchtitan.v030.trainer import check_supported  # noqa: E402
 
 pytestmark = pytest.mark.timeout(1200)
@@ -75,14 +82,19 @@ CHECKPOINT_AT_RESUME_STEP = [
 ]  # fmt: skip
 
 
-def train(config: str | None, overrides: list[str], nproc: int = 2) -> str:
-    """Run to completion under torchrun; the log (rank 0), or an error with its tail.
-    ``config``: a TOML file, or None when ``overrides`` hold ``--module`` / ``--config``."""
+def launch(config: str | None, overrides: list[str], nproc: int = 2) -> subprocess.CompletedProcess:
+    """Run under torchrun, with a timeout. ``config``: a TOML file, or None when ``overrides`` hold
+    ``--module`` / ``--config``."""
     command = torchrun_command(config or "", overrides, nproc, entry=ENTRY)
     if config is None:
         at = command.index("--job.config_file")
         del command[at : at + 2]
-    result = finish(start(command), RUN_TIMEOUT)
+    return finish(start(command), RUN_TIMEOUT)
+
+
+def train(config: str | None, overrides: list[str], nproc: int = 2) -> str:
+    """Run to completion under torchrun; the log (rank 0), or an error with its tail."""
+    result = launch(config, overrides, nproc)
     if result.returncode != 0:
         raise RuntimeError(f"training failed (exit {result.returncode}):\n{log_tail(result)}")
     return result.stdout + result.stderr
@@ -331,3 +343,206 @@ def test_stock_recipe_trains_with_the_muon_override(workdir):
     assert "[Override] titan_muon.torchtitan.v030.optimizer.muon: optimizer" in log
     assert re.search(r"Muon\s+hidden matrix\s+768x256\s+6\s+layers\.\*\.attention\.qkv_linear\.wqkv\.weight", log)
     assert "step:  2  loss:" in log
+
+
+# ------------------------------------------- pipeline parallel and checkpoints, one process
+
+
+def test_an_unwired_pipeline_stage_refuses_to_step():
+    """0.3.0 builds the optimizer without the parallel dims; a stage's Muon that never got its pipeline
+    group (a trainer other than titan_muon's) must not step alone, nor MuonClip reduce over the world."""
+    model = attention_model("llama3", "sdpa")
+    assert not is_pipeline_stage(model)
+    model.norm = model.lm_head = None  # what torchtitan's pipeline split leaves of a first stage
+    assert is_pipeline_stage(model)
+    optimizers = MuonOptimizersContainer(MuonOptimizersContainer.Config(qk_clip=True), model_parts=[model])
+    assert optimizers.qk_clips == []  # built over the stage's groups once the parallel dims are known
+    for param in model.parameters():
+        param.grad = torch.zeros_like(param)
+    with pytest.raises(RuntimeError, match="under pipeline parallel needs the pipeline's process groups"):
+        optimizers.step()
+
+
+class WholeBatchSchedule:
+    """torch 2.13's schedule interface: the whole batch, split into microbatches by the schedule."""
+
+    def step(self, *args, target=None, losses=None, return_outputs=True, loss_kwargs=None, **kwargs):
+        self.called = dict(args=args, target=target, losses=losses, loss_kwargs=loss_kwargs, kwargs=kwargs)
+
+
+def test_torch_2_13_schedules_take_0_3_0s_microbatch_lists():
+    schedule = WholeBatchSchedule()
+    cpu.accept_microbatch_lists(schedule)
+    tokens = torch.arange(8).view(4, 2)
+    labels, positions = tokens + 1, tokens % 3
+    losses, count = [], torch.tensor(8)
+    schedule.step(
+        arg_mbs=[(tokens[:2],), (tokens[2:],)], kwarg_mbs=[{"positions": positions[:2]}, {"positions": positions[2:]}],
+        target_mbs=[labels[:2], labels[2:]], losses=losses, loss_kwargs={"global_valid_tokens": count},
+    )  # fmt: skip
+    called = schedule.called
+    assert torch.equal(called["args"][0], tokens) and torch.equal(called["target"], labels)
+    assert called["kwargs"].keys() == {"positions"} and torch.equal(called["kwargs"]["positions"], positions)
+    assert called["losses"] is losses and called["loss_kwargs"] == {"global_valid_tokens": count}
+    schedule.step(arg_mbs=None, kwarg_mbs=[{}, {}], target_mbs=None, losses=None)  # a middle stage
+    assert schedule.called["args"] == () and schedule.called["target"] is None
+    schedule.step(target=None, arg_mbs=[(tokens[:2],), (tokens[2:],)], target_mbs=[labels[:2], labels[2:]])  # eval()
+    assert torch.equal(schedule.called["args"][0], tokens) and torch.equal(schedule.called["target"], labels)
+
+
+def test_a_folder_without_a_complete_checkpoint_falls_back_to_initial_load_path_checked(tmp_path):
+    """0.3.0, unlike 0.2.2, loads initial_load_path when the dump folder holds only interrupted saves: the
+    pre-resume checks then look at that path (here: a truncated shard) instead of refusing the run."""
+    initial = tmp_path / "initial" / "step-10"
+    dcp.save({"layer.weight": torch.ones(4, 3)}, checkpoint_id=str(initial), no_dist=True)
+    shard = next(initial.glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:-8])
+    folder = tmp_path / "dump" / "checkpoint"
+    (folder / "step-3").mkdir(parents=True)  # a first save that was killed
+    config = CheckpointManager.Config(enable=True, initial_load_path=str(initial))
+    checkpointer = SimpleNamespace(folder=str(folder), states={"model": SimpleNamespace(state_dict=dict)})
+    with pytest.raises(CheckpointError, match=f"{initial}: shard {shard.name} is truncated"):
+        check_before_resume(checkpointer, config, initial_load_when_none_complete=True)
+    with pytest.raises(CheckpointError, match="would ignore checkpoint.initial_load_path"):  # 0.2.2
+        check_before_resume(checkpointer, config)
+
+
+# ---------------------------------- parallel layouts: PP, TP, HSDP, resharding (4 gloo ranks each)
+
+LAYOUT_STEPS, LAYOUT_CHECKPOINT = 4, 2
+PIPELINE = ["--parallelism.pipeline_parallel_degree", "2"]  # x FSDP 2 on 4 ranks (dp_shard = -1)
+# validation at steps 2 and 4: under PP through the schedule's eval(), with the same microbatch lists
+VALIDATION = [
+    "--validator.enable", "--validator.freq", "2", "--validator.steps", "1",
+    "--validator.dataloader.dataset", "python_stdlib_validation",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def layouts(workdir) -> dict[str, list[str]]:
+    """Flags shared by the layout runs. Every rank trains on the same sequence (one_sequence_corpus), so runs
+    on different data-parallel degrees see the same mean gradient; every run starts from one seed checkpoint
+    (pipeline stages and shardings would otherwise each initialize their own weights); tau 0.05 clips heads
+    at every step."""
+    train(MUON, tiny(workdir, "seed", "--checkpoint.enable", "--checkpoint.create_seed_checkpoint"), nproc=1)
+    corpus = one_sequence_corpus(workdir, workdir / "tokenizer")
+    seed = ["--checkpoint.enable", "--checkpoint.initial_load_path", str(workdir / "seed" / "checkpoint" / "step-0")]
+    common = [*seed, "--training.dataset", "text_files", "--training.dataset_path", str(corpus), *CLIPPING]
+    saving = ["--checkpoint.interval", str(LAYOUT_CHECKPOINT), "--checkpoint.no-last-save-model-only"]
+    return {"common": common, "no_saving": ["--checkpoint.load_only"], "saving": saving}
+
+
+def layout_run(workdir, layouts, dump: str, *extra: str, nproc: int = 4, saving: bool = False) -> Path:
+    flags = [*layouts["common"], *layouts["saving" if saving else "no_saving"], *extra]
+    train(MUON, tiny(workdir, dump, *flags, steps=LAYOUT_STEPS), nproc=nproc)
+    return workdir / dump
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(workdir, layouts) -> Path:
+    """The reference: FSDP 2 on 2 ranks."""
+    return layout_run(workdir, layouts, "fsdp2", *VALIDATION, nproc=2)
+
+
+@pytest.fixture(scope="module")
+def pipeline_run(workdir, layouts) -> tuple[Path, str]:
+    """PP 2 x FSDP 2 on 4 ranks (1F1B, 2 microbatches of one sequence), checkpoint at step 2."""
+    flags = [*layouts["common"], *layouts["saving"], *PIPELINE, *VALIDATION]
+    log = train(MUON, tiny(workdir, "pp2_fsdp2", *flags, steps=LAYOUT_STEPS), nproc=4)
+    return workdir / "pp2_fsdp2", log
+
+
+def assert_same_run(actual: Path, expected: Path, rel: float, steps=range(1, LAYOUT_STEPS + 1)) -> None:
+    for tag in ("loss_metrics/global_avg_loss", "grad_norm"):
+        got, want = read_scalars(str(actual), tag), read_scalars(str(expected), tag)
+        assert sorted(got) == list(steps), tag
+        for step, value in got.items():
+            assert value == pytest.approx(want[step], rel=rel, abs=0), (tag, step, value, want[step])
+
+
+# The layouts differ from FSDP 2 only in how fp32 sums associate. PP sums each microbatch's loss and
+# gradient (one 64-token sequence) and then the microbatches, where FSDP sums a rank's 128 tokens at once:
+# reassociating a sum of n = 128 terms changes it by at most about n·u = 7.6e-6 relative (u = 2^-24), which
+# the step-1 loss and grad norm inherit; later steps add what weights moved by lr × a difference of that size
+# change, far less. HSDP sums 4 equal per-rank gradients instead of 2 (a few ulps). Measured: 1e-7 or less.
+# Were a stage's gradients not divided by the token count, the grad norm would be 128x.
+REASSOCIATED = 1e-5
+# TP also splits row-wise layers' dot products in two and, with loss parallel, the softmax denominator over
+# the 2048-token vocabulary: n·u = 2048 · 2^-24 = 1.2e-4 relative at most (measured 5e-6, grad norm).
+TENSOR_PARALLEL = 2048 * 2**-24
+
+
+def test_pipeline_parallel_trains_like_fsdp(pipeline_run, fsdp_run):
+    dump, log = pipeline_run
+    assert_same_run(dump, fsdp_run, REASSOCIATED)
+    validation = read_scalars(str(fsdp_run), "validation_metrics/loss")
+    assert {2, 4} <= set(validation)
+    assert read_scalars(str(dump), "validation_metrics/loss") == pytest.approx(validation, rel=REASSOCIATED, abs=0)
+    assert "stages agree on non-finite gradients with ranks [0, 2], MuonClip reduces max logits within the stage" in log
+    # The logging rank (the last stage's) reports its stage's layer, as recorded without PP. Reduced over the
+    # world, each stage's one recorded layer would take the other's max (layer 0's 0.11 for layer 1's 0.098 at
+    # step 1), a change the losses barely see (4e-6 by step 4).
+    tag = "qk_clip/max_logit/layers.1.attention"
+    expected = read_scalars(str(fsdp_run), tag)
+    assert read_scalars(str(dump), tag) == pytest.approx(expected, rel=REASSOCIATED, abs=0)
+    assert all(count > 0 for count in read_scalars(str(dump), "qk_clip/heads_clipped").values())
+    # each stage's Muon exchanges its own matrices over its FSDP pair: half of the model's
+    bytes_pp, bytes_fsdp = read_scalars(str(dump), "muon/bytes_sent"), read_scalars(str(fsdp_run), "muon/bytes_sent")
+    assert all(0 < bytes_pp[step] < bytes_fsdp[step] for step in bytes_pp)
+
+
+def copy_layout_checkpoint(source: Path, workdir: Path, dump: str) -> Path:
+    target = workdir / dump / "checkpoint" / f"step-{LAYOUT_CHECKPOINT}"
+    shutil.copytree(source / "checkpoint" / f"step-{LAYOUT_CHECKPOINT}", target)
+    return target
+
+
+def test_pipeline_parallel_resumes_exactly(pipeline_run, workdir, layouts):
+    """Each stage loads its own parameters' state from the checkpoint of both (the pre-resume check
+    compares only those) and continues bit for bit, MuonClip included."""
+    dump, _ = pipeline_run
+    copy_layout_checkpoint(dump, workdir, "pp2_fsdp2_resumed")
+    resumed = layout_run(workdir, layouts, "pp2_fsdp2_resumed", *PIPELINE, saving=True)
+    later = range(LAYOUT_CHECKPOINT + 1, LAYOUT_STEPS + 1)
+    for tag in ("loss_metrics/global_avg_loss", "grad_norm", "qk_clip/max_logit"):
+        expected = read_scalars(str(dump), tag)
+        assert read_scalars(str(resumed), tag) == {step: expected[step] for step in later}, tag
+
+
+def test_pipeline_checkpoint_reshards_to_fsdp_on_2_ranks(pipeline_run, fsdp_run, workdir, layouts):
+    """DCP resharding: saved by 2 stages x 2 shards on 4 ranks, loaded by FSDP 2 on 2 ranks (the
+    dataloader's per-rank state does not carry over to another data-parallel degree); steps 3 and 4
+    continue as the run that never changed layout."""
+    dump, _ = pipeline_run
+    copy_layout_checkpoint(dump, workdir, "resharded")
+    resharded = layout_run(workdir, layouts, "resharded", "--checkpoint.exclude_from_loading", "dataloader", nproc=2)
+    assert_same_run(resharded, fsdp_run, REASSOCIATED, steps=range(LAYOUT_CHECKPOINT + 1, LAYOUT_STEPS + 1))
+
+
+def test_tensor_parallel_trains_like_fsdp(fsdp_run, workdir, layouts):
+    """TP 2 x FSDP 2 on 4 ranks (torchtitan's TP plan, loss parallel, the partial_dtensor backend)."""
+    dump = layout_run(workdir, layouts, "tp2_fsdp2", "--parallelism.tensor_parallel_degree", "2")
+    assert_same_run(dump, fsdp_run, TENSOR_PARALLEL)
+    assert all(count > 0 for count in read_scalars(str(dump), "qk_clip/heads_clipped").values())
+
+
+def test_hsdp_trains_like_fsdp(fsdp_run, workdir, layouts):
+    """HSDP: 2 replicas x 2 shards on 4 ranks."""
+    hsdp = ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2"]
+    dump = layout_run(workdir, layouts, "hsdp", *hsdp)
+    assert_same_run(dump, fsdp_run, REASSOCIATED)
+
+
+def test_checkpoint_of_another_optimizer_setup_is_refused_before_loading(pipeline_run, workdir, layouts):
+    """The 0.2.2 trainer's pre-resume checks on 0.3.0: a checkpoint whose optimizer state does not fit this
+    run (here layer 0's attention moved from Muon to AdamW) is refused with the parameters that differ."""
+    dump, _ = pipeline_run
+    target = copy_layout_checkpoint(dump, workdir, "moved")
+    moved = ["--optimizer.adamw_patterns", "layers.0.attention.*"]
+    result = launch(MUON, tiny(workdir, "moved", *layouts["common"], *moved, steps=LAYOUT_STEPS))
+    log = log_tail(result, 20000)
+    assert result.returncode != 0
+    assert f"checkpoint {target} was written with a different optimizer setup than this run" in log
+    assert ("layers.0.attention.qkv_linear.wqkv.weight: checkpoint has ['momentum_buffer'], this run expects "
+            "['exp_avg', 'exp_avg_sq', 'step']") in log  # fmt: skip
+    assert "Training starts at step" not in log

@@ -161,6 +161,14 @@ class Muon(Optimizer):
         if self._layout_ready:  # a group added after construction: plan again (collectively)
             self._build_layout()
 
+    def set_pipeline_group(self, pipeline_group) -> None:
+        """Join this rank's pipeline after construction (the ``pipeline_group`` argument, given
+        later): from the next step on, a non-finite gradient in any stage raises or skips in
+        every stage. For containers that learn the pipeline only once the optimizer is built
+        (torchtitan 0.3.0). No collective."""
+        self.pipeline_group = pipeline_group
+        self.pipeline = Transport(pipeline_group, self.device) if pipeline_group is not None else None
+
     def param_name(self, group_index: int, index: int) -> str:
         group = self.param_groups[group_index]
         if "param_names" in group:

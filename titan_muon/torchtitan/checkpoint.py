@@ -1,8 +1,8 @@
 """Check the checkpoint a run is about to resume from, before torchtitan loads it.
 
-torchtitan 0.2.2 resumes from the newest ``step-N`` folder that has a ``.metadata`` file
-(DCP writes it last, after every rank's shards): a save interrupted before writing it is
-skipped without a word, a truncated shard fails deep inside DCP, and a checkpoint written
+torchtitan (0.2.2 and 0.3.0 alike) resumes from the newest ``step-N`` folder that has a
+``.metadata`` file (DCP writes it last, after every rank's shards): a save interrupted before
+writing it is skipped without a word, a truncated shard fails deep inside DCP, and a checkpoint written
 under another optimizer setup fails with a bare "Missing key". This module reads only the
 DCP metadata and the file sizes, before anything is loaded:
 
@@ -69,8 +69,12 @@ def interrupted_saves(folder: str, resume_step: int | None) -> list[str]:
     return [steps[step] for step in newer if not is_complete(steps[step])]
 
 
-def warn_skipped(skipped: list[str], resume: tuple[int, str] | None) -> None:
-    target = f"the previous complete checkpoint {resume[1]}" if resume else "scratch (no complete checkpoint)"
+def warn_skipped(skipped: list[str], resume: tuple[int, str] | None, initial: str | None = None) -> None:
+    """``initial``: the ``checkpoint.initial_load_path`` torchtitan falls back to (0.3.0), if any."""
+    if resume:
+        target = f"the previous complete checkpoint {resume[1]}"
+    else:
+        target = f"checkpoint.initial_load_path {initial}" if initial else "scratch (no complete checkpoint)"
     logger.warning(
         f"Skipping incomplete checkpoint(s) {skipped}: no .metadata, a save was interrupted. "
         f"Resuming from {target}. The next save of that step overwrites the folder."
@@ -101,8 +105,11 @@ def _param_of(state_key: str) -> tuple[str, str]:
     return fqn, name
 
 
-def compare_optimizer_state(saved: Metadata, expected: dict[str, Any], path: str) -> None:
-    """Raise if the saved per-parameter optimizer state differs from what this run builds."""
+def compare_optimizer_state(saved: Metadata, expected: dict[str, Any], path: str, pipeline_stage: bool = False) -> None:
+    """Raise if the saved per-parameter optimizer state differs from what this run builds.
+
+    ``pipeline_stage``: this rank holds one pipeline stage's parameters, so only those are
+    compared; the checkpoint's other parameters are other stages'."""
     saved_keys = {
         key.removeprefix("optimizer."): meta
         for key, meta in saved.state_dict_metadata.items()
@@ -123,7 +130,8 @@ def compare_optimizer_state(saved: Metadata, expected: dict[str, Any], path: str
             fqn, name = _param_of(key)
             expected_by_param[fqn].add(name)
     problems = []
-    for fqn in sorted(set(saved_by_param) | set(expected_by_param)):
+    compared = set(expected_by_param) if pipeline_stage else set(saved_by_param) | set(expected_by_param)
+    for fqn in sorted(compared):
         have, want = sorted(saved_by_param[fqn]), sorted(expected_by_param[fqn])
         if have != want:
             problems.append(f"{fqn}: checkpoint has {have or 'nothing'}, this run expects {want or 'nothing'}")
@@ -168,16 +176,18 @@ def compare_model(saved: Metadata, expected: dict[str, Any], path: str) -> None:
         )
 
 
-def check_checkpoint(path: str, states: dict[str, Any], load_optimizer: bool, excluded: set[str]) -> None:
+def check_checkpoint(
+    path: str, states: dict[str, Any], load_optimizer: bool, excluded: set[str], pipeline_stage: bool = False
+) -> None:
     """Shards present and whole, model and (if loaded) optimizer state matching this run."""
     metadata = read_metadata(path)
     if "model" not in excluded:
         compare_model(metadata, states["model"].state_dict(), path)
     if load_optimizer and "optimizer" not in excluded:
-        compare_optimizer_state(metadata, states["optimizer"].state_dict(), path)
+        compare_optimizer_state(metadata, states["optimizer"].state_dict(), path, pipeline_stage)
 
 
-def check_initial_load_path(path: str, checkpointer, checkpoint_config) -> None:
+def check_initial_load_path(path: str, checkpointer, checkpoint_config, pipeline_stage: bool = False) -> None:
     if not os.path.isdir(path):
         return  # torchtitan refuses it itself ("the path is not valid")
     if not os.path.isfile(os.path.join(path, ".metadata")):
@@ -190,39 +200,53 @@ def check_initial_load_path(path: str, checkpointer, checkpoint_config) -> None:
         checkpointer.states,
         load_optimizer=not checkpoint_config.initial_load_model_only,
         excluded=set(checkpoint_config.exclude_from_loading),
+        pipeline_stage=pipeline_stage,
     )
 
 
-def check_before_resume(checkpointer, checkpoint_config) -> None:
+def check_before_resume(
+    checkpointer, checkpoint_config, *, pipeline_stage: bool = False, initial_load_when_none_complete: bool = False
+) -> None:
     """Run on every rank before ``checkpointer.load``; all ranks see the same files and act alike.
+    ``pipeline_stage``: under pipeline parallel, where each rank holds one stage's parameters.
 
-    Mirrors torchtitan 0.2.2's choice: the dump folder's checkpoints when its checkpoint
-    folder exists, else ``checkpoint.initial_load_path``.
+    Mirrors torchtitan's choice: the dump folder's newest complete checkpoint (or its
+    ``load_step``), else ``checkpoint.initial_load_path``. When the dump folder exists but holds
+    no complete checkpoint, torchtitan 0.2.2 ignores initial_load_path and starts from scratch
+    (refused here), 0.3.0 loads initial_load_path (``initial_load_when_none_complete``).
     """
     if not checkpoint_config.enable:
         return
     folder, initial = checkpointer.folder, checkpoint_config.initial_load_path
     if not os.path.exists(folder):
-        if initial and not checkpoint_config.initial_load_in_hf:
-            check_initial_load_path(initial, checkpointer, checkpoint_config)
+        _check_initial(checkpointer, checkpoint_config, pipeline_stage)
         return
     found = checkpoint_to_resume(folder, checkpoint_config.load_step)
     if checkpoint_config.load_step == -1:
         skipped = interrupted_saves(folder, found[0] if found else None)
-        if found is None and initial:
+        if found is None and initial and not initial_load_when_none_complete:
             raise CheckpointError(
                 f"{folder} exists but holds no complete checkpoint (incomplete: {skipped or 'none'}), so "
                 f"torchtitan would ignore checkpoint.initial_load_path {initial} and start from scratch. "
                 f"Delete {folder} to start again from {initial}."
             )
         if skipped:
-            warn_skipped(skipped, found)
+            warn_skipped(skipped, found, initial if initial_load_when_none_complete else None)
+        if found is None and initial_load_when_none_complete:
+            _check_initial(checkpointer, checkpoint_config, pipeline_stage)
     if found is None:
         return
     step, path = found
     if step == 0 or not os.path.isfile(os.path.join(path, ".metadata")):
         return  # a model-only seed checkpoint, or a Hugging Face save: torchtitan handles those
-    check_checkpoint(path, checkpointer.states, load_optimizer=True, excluded=set(checkpoint_config.exclude_from_loading))
+    excluded = set(checkpoint_config.exclude_from_loading)
+    check_checkpoint(path, checkpointer.states, load_optimizer=True, excluded=excluded, pipeline_stage=pipeline_stage)
+
+
+def _check_initial(checkpointer, checkpoint_config, pipeline_stage: bool) -> None:
+    initial = checkpoint_config.initial_load_path
+    if initial and not checkpoint_config.initial_load_in_hf:
+        check_initial_load_path(initial, checkpointer, checkpoint_config, pipeline_stage)
 
 
 def checkpoint_io_error(error: CheckpointException, folder: str) -> CheckpointError:

@@ -64,7 +64,7 @@ class Trainer(TorchTitanTrainer):
         return loss if loss_factor == 1.0 or placeholder else loss * loss_factor
 
     def train(self):
-        check_before_resume(self.checkpointer, self.job_config.checkpoint)
+        check_before_resume(self.checkpointer, self.job_config.checkpoint, pipeline_stage=self.parallel_dims.pp_enabled)
         try:
             super().train()
         except CheckpointException as error:  # a BaseException: torchtitan's main would not close

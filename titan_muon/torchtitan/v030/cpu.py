@@ -17,9 +17,15 @@ torchtitan 0.3.0 is released against torch 2.14; on torch 2.13 and without a GPU
 4. :func:`titan_muon.torchtitan.cpu.force_sum_reductions` (CPU, after the model is sharded):
    torchtitan turns FSDP's gradient division off, and FSDP then asks gloo for ``PREMUL_SUM``,
    which gloo lacks; with a factor of 1 a SUM is the same math.
+5. :func:`accept_microbatch_lists` (torch 2.13, any device, pipeline parallel): torchtitan calls
+   ``schedule.step`` / ``eval`` with the microbatches already split (``arg_mbs``, ``kwarg_mbs``,
+   ``target_mbs``), torch 2.14's interface; torch 2.13's schedules take the whole batch and split
+   it themselves.
 
-titan_muon.torchtitan.v030.trainer applies all of them; on a CUDA machine only the first.
+titan_muon.torchtitan.v030.trainer applies all of them; on a CUDA machine the first and the last.
 """
+
+import inspect
 
 import torch
 import torch.distributed as dist
@@ -61,6 +67,50 @@ def add_set_timeout() -> None:
         _set_pg_timeout(timeout, group)
 
     dist.set_timeout = set_timeout
+
+
+def accept_microbatch_lists(schedule) -> None:
+    """Let torch 2.13's pipeline ``schedule`` take torch 2.14's pre-split microbatches.
+
+    ``step(arg_mbs=..., kwarg_mbs=..., target_mbs=..., **rest)`` becomes torch 2.13's
+    ``step(*whole_batch_args, target=whole_batch_target, **whole_batch_kwargs, **rest)``: each
+    tensor concatenated over the microbatches along the batch dimension, which the schedule splits
+    back into the same microbatches (torchtitan's are of equal size). ``eval`` calls ``step``, so it
+    is covered too. A schedule that already takes microbatch lists is left alone.
+    """
+    if "arg_mbs" in inspect.signature(schedule.step).parameters:
+        return
+    whole_batch_step = schedule.step
+
+    def step(*args, arg_mbs=None, kwarg_mbs=None, target_mbs=None, target=None, **rest):
+        if arg_mbs is None and kwarg_mbs is None and target_mbs is None:
+            return whole_batch_step(*args, target=target, **rest)
+        if args or target is not None:  # eval() passes target=None along
+            raise TypeError("schedule.step: give either the whole batch or the microbatch lists, not both")
+        whole_args = tuple(torch.cat(parts) for parts in zip(*arg_mbs)) if arg_mbs else ()
+        whole_kwargs = _concatenated_kwargs(kwarg_mbs or [])
+        target = torch.cat(target_mbs) if target_mbs else None
+        return whole_batch_step(*whole_args, target=target, **whole_kwargs, **rest)
+
+    schedule.step = step
+
+
+def _concatenated_kwargs(kwarg_mbs: list[dict]) -> dict:
+    """The microbatches' model keyword arguments as one batch: tensors concatenated, any other
+    value (the same in every microbatch) passed once."""
+    whole = {}
+    for name in kwarg_mbs[0] if kwarg_mbs else ():
+        values = [kwargs[name] for kwargs in kwarg_mbs]
+        if all(isinstance(value, torch.Tensor) for value in values):
+            whole[name] = torch.cat(values)
+        elif all(value is values[0] for value in values):
+            whole[name] = values[0]
+        else:
+            raise TypeError(
+                f"pipeline parallel on torch 2.13: model argument {name!r} ({type(values[0]).__name__}) differs "
+                "between microbatches and cannot be joined into one batch; torch 2.14 takes microbatch lists"
+            )
+    return whole
 
 
 def use_cpu_device() -> None:

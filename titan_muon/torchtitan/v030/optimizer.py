@@ -26,10 +26,17 @@ Muon's AdamW groups; Muon's own lr is the Config default (0.02) unless given.
 
 With ``qk_clip = true`` it runs MuonClip after every step exactly as the 0.2.2 container does
 (the same :class:`titan_muon.torchtitan.qk_clip.QKClipAfterStep`): max logits recorded by hooks on
-each attention's inner attention, one MAX all-reduce over the world (0.3.0 builds the optimizer
-without the parallel dims; titan_muon.torchtitan.v030.trainer refuses pipeline and context
-parallel), the clip of the q and k rows (fused ``qkv_linear.wqkv`` or separate ``wq`` / ``wk``,
-MLA's ``wq`` / ``wq_b`` and ``wkv_b``), and the ``qk_clip/*`` metrics.
+each attention's inner attention, one MAX all-reduce over the ranks that hold the same layers, the
+clip of the q and k rows (fused ``qkv_linear.wqkv`` or separate ``wq`` / ``wk``, MLA's ``wq`` /
+``wq_b`` and ``wkv_b``), and the ``qk_clip/*`` metrics. Context parallel is refused
+(titan_muon.torchtitan.v030.trainer).
+
+Pipeline parallel: 0.3.0 builds the container without the parallel dims, which the 0.2.2 container
+gets at construction. A stage's container knows it is one from its model parts (torchtitan's split
+leaves None for the modules a stage does not hold) and waits for :meth:`use_parallel_dims`, which
+titan_muon.torchtitan.v030.trainer calls once torchtitan's setup is done: each Muon then joins the
+pipeline group (a non-finite gradient in any stage raises or skips in every stage) and MuonClip is
+built over the stage's data-parallel and tensor-parallel groups. Until then it refuses to step.
 
 Not supported here (refused, naming the setting): torchtitan's ``param_groups`` table and
 ``optimizer_factory_kwargs_by_name`` (the split is build_param_groups'; use ``adamw_patterns``
@@ -41,9 +48,11 @@ from dataclasses import MISSING, dataclass, field, fields, make_dataclass
 from types import SimpleNamespace
 from typing import Any
 
+import torch.distributed as dist
 import torch.nn as nn
 from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.config import override
+from torchtitan.distributed import ParallelDims
 from torchtitan.tools.logging import logger
 
 from titan_muon import Muon
@@ -98,19 +107,63 @@ class MuonOptimizersContainer(QKClipAfterStep, OptimizersContainer):
     def __init__(self, config: Config, *, model_parts: list[nn.Module]) -> None:
         check_config(config)
         kwargs = muon_kwargs(config)
+        self.config = config
         self.model_parts = model_parts
-        several = len(model_parts) > 1  # a pipeline stage may hold no attention layer
-        self.optimizers = [build_muon(model, config, kwargs, pipeline=several) for model in model_parts]
+        # 0.3.0 builds the optimizer without the parallel dims: a pipeline stage is known here by its
+        # model parts, its pipeline group only from use_parallel_dims (titan_muon's trainer calls it)
+        self.pipeline_stage = len(model_parts) > 1 or any(is_pipeline_stage(part) for part in model_parts)
+        self.parallel_dims = None
+        # a pipeline stage may hold no attention layer
+        self.optimizers = [build_muon(model, config, kwargs, pipeline=self.pipeline_stage) for model in model_parts]
         params = [p for opt in self.optimizers for group in opt.param_groups for p in group["params"]]
         self._validate_params(params)
         self._post_init(params)
-        self._build_qk_clips(model_parts, config)  # the world: every rank holds every layer without PP
+        self.qk_clips, self.qk_clip_metrics = [], []
+        if not self.pipeline_stage:  # the world reduces max logits: every rank holds every layer
+            self._build_qk_clips(model_parts, config)
         time_optimizer_steps(self)
+
+    def use_parallel_dims(self, parallel_dims: ParallelDims) -> None:
+        """What the 0.2.2 container gets at construction: under pipeline parallel, each Muon's
+        pipeline group (a non-finite gradient in any stage raises or skips in every stage) and
+        MuonClip's max logits reduced over this rank's stage only. Call once, before the first step."""
+        self.parallel_dims = parallel_dims
+        if not parallel_dims.pp_enabled:
+            return
+        pipeline_group = parallel_dims.get_mesh("pp").get_group()
+        for optimizer in self.optimizers:
+            optimizer.set_pipeline_group(pipeline_group)
+        for qk_clip in self.qk_clips:
+            if qk_clip is not None:
+                qk_clip.remove()
+        self._build_qk_clips(self.model_parts, self.config, parallel_dims)
+        logger.info(
+            f"titan_muon Muon under pipeline parallel: stages agree on non-finite gradients with ranks "
+            f"{dist.get_process_group_ranks(pipeline_group)}"
+            + (", MuonClip reduces max logits within the stage" if self.config.qk_clip else "")
+        )
+
+    def step(self, *args, **kwargs) -> None:
+        if self.pipeline_stage and self.parallel_dims is None:
+            raise RuntimeError(
+                "titan_muon's Muon under pipeline parallel needs the pipeline's process groups, which torchtitan "
+                "0.3.0 does not hand to the optimizer: train with titan_muon's trainer (python -m titan_muon.train, "
+                "or a Trainer.Config from titan_muon.torchtitan.v030), or call optimizers.use_parallel_dims("
+                "parallel_dims) after building the trainer"
+            )
+        super().step(*args, **kwargs)
 
     @property
     def last_step_metrics(self) -> dict[str, float]:
         """The last step's Muon metrics (``muon/*``), merged over model parts, and MuonClip's (``qk_clip/*``)."""
         return merged_step_metrics(self.optimizers) | self.qk_clip_step_metrics()
+
+
+def is_pipeline_stage(model_part: nn.Module) -> bool:
+    """Whether ``model_part`` is a stage of torchtitan 0.3.0's pipeline split, which replaces the
+    top-level modules a stage does not hold by None (the first stage has no ``norm`` and
+    ``lm_head``, the last no ``tok_embeddings``)."""
+    return any(getattr(model_part, name, False) is None for name in ("tok_embeddings", "norm", "lm_head"))
 
 
 def check_config(config: MuonOptimizersContainer.Config) -> None:

@@ -4,15 +4,28 @@
 :class:`MuonTrainer`, which applies titan_muon.torchtitan.v030.cpu before torchtitan's setup (and
 FSDP's SUM reductions on CPU after it), and refuses what titan_muon's Muon does not support
 under 0.3.0 yet, before minutes of setup rather than after. Every config function of
-titan_muon.torchtitan.v030.config_registry and the TOML launcher return this Config, so torchtitan's
-own ``python -m torchtitan.train --module titan_muon.torchtitan.v030 --config ...`` runs it too.
+titan_muon.torchtitan.v030.config_registry and the TOML launcher return this Config, so
+torchtitan's own ``python -m torchtitan.train --module titan_muon.torchtitan.v030 --config ...``
+runs it too. As the 0.2.2 trainer (titan_muon.torchtitan.trainer) does, it also:
+
+* hands the optimizer the parallel dims that 0.3.0 builds it without: under pipeline parallel
+  each stage's Muon joins the pipeline group (non-finite gradients raise or skip in every
+  stage), MuonClip reduces max logits over its stage and records only the schedule's real
+  forwards. The pipeline loss needs no fix, unlike 0.2.2's (titan_muon.torchtitan.pipeline):
+  0.3.0 hands the step's token count to the loss inside the schedule;
+* checks the checkpoint it is about to resume from before loading it (shards whole, model and
+  optimizer state fitting this run: titan_muon.torchtitan.checkpoint), and turns a failed
+  checkpoint write into one error naming the folder.
 """
 
 from dataclasses import dataclass, fields
 
+from torch.distributed.checkpoint.api import CheckpointException
+from torchtitan.components.checkpointer import CheckpointManager
 from torchtitan.trainer import Trainer
 
-from titan_muon.torchtitan.qk_clip import refuse_context_parallel
+from titan_muon.torchtitan.checkpoint import check_before_resume, checkpoint_io_error
+from titan_muon.torchtitan.qk_clip import record_only_stage_forwards, refuse_context_parallel
 from titan_muon.torchtitan.v030 import cpu
 from titan_muon.torchtitan.v030.optimizer import MuonOptimizersContainer, check_config
 
@@ -28,12 +41,6 @@ def check_supported(config: Trainer.Config) -> None:
                 "optimizer.qk_clip records max attention logits with Python hooks in the forward, which a CUDA "
                 "graph of forward + backward would replay from its first capture: set --training.disable_cuda_graphs"
             )
-    if config.parallelism.pipeline_parallel_degree > 1:
-        raise NotImplementedError(
-            "titan_muon's Muon under pipeline parallel is not wired for torchtitan 0.3.0 yet: 0.3.0 builds the "
-            "optimizer without the parallel dims, so the stages could not agree on non-finite gradients; use "
-            "torchtitan 0.2.2 for pipeline parallel (docs/torchtitan.md)"
-        )
     if config.optimizer.overlap and not config.training.disable_cuda_graphs:
         raise ValueError(
             "optimizer.overlap sends gradient rows during backward, which a CUDA graph of forward + backward "
@@ -52,6 +59,22 @@ class MuonTrainer(Trainer):
         super().__init__(config)
         if cpu.should_use_cpu():
             cpu.force_sum_reductions(self.model_parts)
+        if isinstance(self.optimizers, MuonOptimizersContainer):
+            self.optimizers.use_parallel_dims(self.parallel_dims)  # 0.3.0 built it without them
+        if self.parallel_dims.pp_enabled:
+            cpu.accept_microbatch_lists(self.pp_schedule)
+            record_only_stage_forwards(self.pp_schedule, getattr(self.optimizers, "qk_clips", []))
+
+    def train(self):
+        if isinstance(self.checkpointer, CheckpointManager):  # DCP; not the torch_checkpointing backend
+            check_before_resume(
+                self.checkpointer, self.config.checkpoint, pipeline_stage=self.parallel_dims.pp_enabled,
+                initial_load_when_none_complete=True,
+            )  # fmt: skip
+        try:
+            super().train()
+        except CheckpointException as error:  # every rank's causes, in one readable error
+            raise checkpoint_io_error(error, self.checkpointer.folder) from error
 
 
 def as_muon_trainer(config: Trainer.Config) -> MuonTrainer.Config:
