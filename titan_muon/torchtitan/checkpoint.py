@@ -118,8 +118,9 @@ def compare_optimizer_state(saved: Metadata, expected: dict[str, Any], path: str
     if not saved_keys:
         raise CheckpointError(
             f"checkpoint {path} holds no optimizer state (saved with last_save_model_only?). To start "
-            "from its weights with a fresh optimizer pass --checkpoint.exclude_from_loading "
-            "optimizer,lr_scheduler,dataloader,train_state"
+            "from its weights with a fresh optimizer set [checkpoint] exclude_from_loading = "
+            '["optimizer", "lr_scheduler", "dataloader", "train_state"] in the TOML'
+            " (the same list on the command line: comma-separated on torchtitan 0.2.2, space-separated on 0.3.0)"
         )
     saved_by_param, expected_by_param = defaultdict(set), defaultdict(set)
     for key in saved_keys:
@@ -147,8 +148,9 @@ def compare_optimizer_state(saved: Metadata, expected: dict[str, Any], path: str
         raise CheckpointError(
             f"checkpoint {path} was written with a different optimizer setup than this run "
             "([optimizer] name, adamw_patterns / muon_patterns, a state dtype, or DeMo's replicas changed):\n  "
-            f"{shown}\nRestore the old [optimizer] settings, or pass --checkpoint.exclude_from_loading "
-            "optimizer,lr_scheduler to keep the weights and start the optimizer fresh."
+            f"{shown}\nRestore the old [optimizer] settings, or set [checkpoint] exclude_from_loading = "
+            '["optimizer", "lr_scheduler"] in the TOML (the same list on the command line: comma-separated '
+            "on torchtitan 0.2.2, space-separated on 0.3.0) to keep the weights and start the optimizer fresh."
         )
 
 
