@@ -363,6 +363,14 @@ def test_an_unwired_pipeline_stage_refuses_to_step():
         optimizers.step()
 
 
+def test_demo_is_refused_by_name_on_0_3_0():
+    """DeMo needs the optimizer to own the replicate dimension, which only the 0.2.2 adapter arranges:
+    on 0.3.0 the key must not reach a Muon that would fail later or run without replicas."""
+    model = attention_model("llama3", "sdpa")
+    with pytest.raises(NotImplementedError, match="demo = true is not wired for torchtitan 0.3.0"):
+        MuonOptimizersContainer(MuonOptimizersContainer.Config(demo=True, nesterov=False), model_parts=[model])
+
+
 class WholeBatchSchedule:
     """torch 2.13's schedule interface: the whole batch, split into microbatches by the schedule."""
 

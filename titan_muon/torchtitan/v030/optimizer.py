@@ -106,6 +106,12 @@ class MuonOptimizersContainer(QKClipAfterStep, OptimizersContainer):
 
     def __init__(self, config: Config, *, model_parts: list[nn.Module]) -> None:
         check_config(config)
+        if config.demo:
+            raise NotImplementedError(
+                "[optimizer] demo = true is not wired for torchtitan 0.3.0 yet: DeMo needs the optimizer to own "
+                "the data_parallel_replicate dimension (FSDP2 on the shard mesh only), which titan_muon's 0.2.2 "
+                "adapter arranges; use torchtitan 0.2.2 for DeMo (docs/demo.md)"
+            )
         kwargs = muon_kwargs(config)
         self.config = config
         self.model_parts = model_parts
