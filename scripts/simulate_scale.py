@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import multiprocessing
 import platform
 import subprocess
@@ -31,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from model_presets import PRESETS, Model, qwen3_moe
 from replay import Hardware, RankResult, replay
-from step_trace import Collective, Trace, trace_rank
+from step_trace import Collective, Parallelism, Trace, trace_rank
 
 ROOT = Path(__file__).resolve().parents[1]
 CUDA_DEFAULTS = {"comm_dtype": "bf16", "ns_dtype": "bf16"}  # what "auto" resolves to on CUDA
@@ -45,16 +46,42 @@ GB300 = replace(
 )  # fmt: skip
 
 
+# Four NVL72 racks for 256 GPUs, 64 used in each: one pipeline stage of NVIDIA's PP4 DP64 EP64
+# layout per NVLink domain (Megatron numbers ranks pipeline-outermost, so a stage's 64 ranks are
+# consecutive). An assumption: NVIDIA does not say how the 256 GPUs sat in racks.
+GB300_RACKS_OF_64 = replace(GB300, gpus_per_node=64)
+
+
 @dataclass(frozen=True)
 class Case:
     model: str
     world: int
     shard_group: int | None = None  # HSDP: shard groups of this many ranks
     hardware: str = "H100"
+    ep: int = 1  # expert parallel, carved out of the data-parallel ranks
+    tp: int = 1  # tensor parallel, innermost (within a node)
+    pp: int = 1  # pipeline stages: only the busiest stage's ranks are traced
+
+    @property
+    def parallelism(self) -> Parallelism:
+        if self.shard_group is not None:
+            return Parallelism(self.shard_group, dp_replicate=self.world // self.shard_group)
+        return Parallelism(self.world // (self.tp * self.pp), tp=self.tp, ep=self.ep, pp=self.pp)
+
+    @property
+    def stage(self) -> int:
+        """The pipeline stage traced: the one with the most Newton–Schulz FLOPs."""
+        stages = [stage_params(models()[self.model], self.pp, s)[0] for s in range(self.pp)]
+        return max(range(self.pp), key=lambda s: (ns_flops_of(stages[s]), -s))
+
+    @property
+    def traced_ranks(self) -> range:
+        return self.parallelism.stage_ranks(self.stage)
 
     @property
     def layout(self) -> str:
-        return "FSDP" if self.shard_group is None else f"HSDP {self.shard_group}"
+        name = self.parallelism.name
+        return f"{name}, stage {self.stage} traced" if self.pp > 1 else name
 
 
 QUICK = [Case("Llama-3 8B", 8)]
@@ -63,37 +90,74 @@ DEFAULT = [
     Case("Llama-3 8B", 64),
     Case("Llama-3 8B", 32, shard_group=8),
     Case("Llama-3 70B", 64),
-    Case("Qwen3-30B-A3B", 8, hardware="GB300"),
+    Case("Llama-3 70B", 64, tp=8),
+    Case("Qwen3-30B-A3B", 8, hardware="GB300", ep=8),
+    Case("Kimi-K2 1T", 256, hardware="GB300 (64/rack)", ep=64, pp=4),
 ]
 LARGE = [Case("Llama-3 70B", 256), Case("Llama-3 405B", 128)]
-HARDWARE = {"H100": H100, "GB300": GB300}
+HARDWARE = {"H100": H100, "GB300": GB300, "GB300 (64/rack)": GB300_RACKS_OF_64}
 
 
+@functools.cache
 def models() -> dict[str, Model]:
     return {**PRESETS, "Qwen3-30B-A3B": qwen3_moe()}
 
 
-def adamw_params(model: Model) -> list[tuple[str, tuple[int, ...]]]:
-    """Embeddings, output and norms: what AdamW steps beside the Muon matrices."""
+def layer_of(name: str) -> int:
+    return int(name.split(".")[1])
+
+
+def pipeline_layers(layers: int, stages: int) -> list[range]:
+    """The transformer layers of each pipeline stage, as torchtitan 0.2.2 splits them by default
+    (``pipeline_parallel_{first,last}_stage_less_layers`` = 1): the embedding and the output count
+    as one layer each, and the layers plus those two are dealt out evenly, the first stages taking
+    one more while the remainder lasts."""
+    per_stage, remainder = divmod(layers + 2, stages)
+    counts = [per_stage + (s < remainder) for s in range(stages)]
+    counts[0] -= 1
+    counts[-1] -= 1
+    starts = [sum(counts[:s]) for s in range(stages)]
+    return [range(start, start + count) for start, count in zip(starts, counts)]
+
+
+def stage_params(model: Model, pp: int = 1, stage: int = 0) -> tuple[list, list]:
+    """(Muon, AdamW) parameters of one pipeline stage: its layers' matrices; its layers' norms
+    and MoE routers, the embedding in the first stage, the final norm and the output in the last."""
     dim, vocab = model.dim, model.vocab
-    layers = 1 + max(int(name.split(".")[1]) for name, _ in model.params)
-    norms = [(f"layers.{i}.{n}.weight", (dim,)) for i in range(layers) for n in ("attention_norm", "ffn_norm")]
-    return [("tok_embeddings.weight", (vocab, dim)), ("output.weight", (vocab, dim)), ("norm.weight", (dim,)), *norms]
+    layers = pipeline_layers(1 + max(layer_of(name) for name, _ in model.params), pp)[stage]
+    muon = [(name, shape) for name, shape in model.params if layer_of(name) in layers]
+    routers = [(name.replace("experts.w1", "router.gate.weight"), (shape[0], dim)) for name, shape in muon if name.endswith("moe.experts.w1")]
+    norms = [(f"layers.{i}.{n}.weight", (dim,)) for i in layers for n in ("attention_norm", "ffn_norm")]
+    first = [("tok_embeddings.weight", (vocab, dim))] if stage == 0 else []
+    last = [("output.weight", (vocab, dim)), ("norm.weight", (dim,))] if stage == pp - 1 else []
+    return muon, first + last + norms + routers
+
+
+def adamw_params(model: Model) -> list[tuple[str, tuple[int, ...]]]:
+    """Embeddings, output, norms and MoE routers: what AdamW steps beside the Muon matrices."""
+    return stage_params(model)[1]
 
 
 def _trace(job) -> Trace:
-    rank, case, muon = job
-    model = models()[case.model]
-    return trace_rank(rank, case.world, list(model.params) if muon else [], adamw_params(model) + ([] if muon else list(model.params)),
-                      shard_group=case.shard_group, **CUDA_DEFAULTS)  # fmt: skip
+    rank, case, muon_in_muon = job
+    parallelism = case.parallelism
+    muon, adamw = stage_params(models()[case.model], parallelism.pp, parallelism.stage_of(rank))
+    if not muon_in_muon:
+        muon, adamw = [], adamw + muon
+    return trace_rank(rank, case.world, muon, adamw, parallelism=parallelism, **CUDA_DEFAULTS)
 
 
 def trace_all(case: Case, workers: int, muon: bool = True) -> list[Trace]:
-    jobs = [(rank, case, muon) for rank in range(case.world)]
+    jobs = [(rank, case, muon) for rank in case.traced_ranks]
     if workers <= 1:
         return [_trace(job) for job in jobs]
     with multiprocessing.get_context("fork").Pool(workers, maxtasksperchild=1) as pool:  # fresh DeviceMesh caches
         return pool.map(_trace, jobs, chunksize=1)
+
+
+def replay_case(case: Case, traces: list[Trace], hardware: Hardware | None = None) -> dict[int, RankResult]:
+    """A pipeline case replays one stage: the other stages keep pace in the pipeline agreement."""
+    return replay(traces, hardware or HARDWARE[case.hardware], absent_ranks_keep_pace=case.pp > 1)
 
 
 def one_communicator(traces: list[Trace]) -> list[Trace]:
@@ -176,12 +240,11 @@ class Row:
 
 
 def simulate(case: Case, workers: int, log=print) -> Row:
-    hardware = HARDWARE[case.hardware]
     start = time.perf_counter()
     traces = _TRACES[case] = trace_all(case, workers)
     adamw = trace_all(case, workers, muon=False)
     elapsed = time.perf_counter() - start
-    row = Row(case, replay(traces, hardware), replay(one_communicator(traces), hardware), replay(adamw, hardware),
+    row = Row(case, replay_case(case, traces), replay_case(case, one_communicator(traces)), replay_case(case, adamw),
               [t.metrics for t in traces], elapsed)  # fmt: skip
     log(f"{case.model:>15} {case.layout:>7} W={case.world:<4} {case.hardware:>5}: step {ms(row.step_s)} ms, ideal {ms(row.ideal_s)} ms, bound "
         f"{ms(row.bound_s)} ms ({row.ratio:.2f}x; NS {ms(row.busiest('newton_schulz_s'))}, compute "
@@ -201,11 +264,12 @@ def mib(n: float) -> str:
 # ------------------------------------------------------------------ calibration
 
 
-def ns_flops_of(model: Model) -> float:
+def ns_flops_of(params: Sequence[tuple[str, tuple[int, ...]]]) -> float:
+    """Newton–Schulz FLOPs of one step over these (name, shape) Muon parameters (5 standard steps)."""
     from titan_muon.newton_schulz import newton_schulz_flops
 
     total = 0
-    for _, shape in model.params:
+    for _, shape in params:
         matrices, rows, cols = (1, *shape) if len(shape) == 2 else shape
         total += matrices * newton_schulz_flops(rows, cols, 5)
     return float(total)
@@ -229,7 +293,7 @@ def calibration(rows: Sequence[Row]) -> list[str]:
         "|---|---|---|---|---|",
     ]
     if qwen is not None:
-        published = megatron_extra_s(ns_flops_of(models()["Qwen3-30B-A3B"]), 8, 721, 686, 713)
+        published = megatron_extra_s(ns_flops_of(models()["Qwen3-30B-A3B"].params), 8, 721, 686, 713)
         modelled = qwen.step_s - qwen.adamw_s
         lines.append(
             f"| Qwen3-30B-A3B, 8 GB300, DP8 EP8 (NVIDIA Megatron Core): Muon's extra time per step over AdamW | "
@@ -240,7 +304,7 @@ def calibration(rows: Sequence[Row]) -> list[str]:
             "the step not overlapped, which the model sets by rates (GB300 at 65 % of 2.5 PFLOP/s); half of the modelled time is memory-bound elementwise work around NS (see below), which a fused pass would cut |"
         )
     kimi = models()["Kimi-K2 1T"]
-    ns = ns_flops_of(kimi)
+    ns = ns_flops_of(kimi.params)
     published = megatron_extra_s(ns, 256, 1080, 1029, 1051)
     lines.append(
         f"| Kimi K2, 256 GB300, PP4 DP64 EP64 (NVIDIA Megatron Core): Muon's extra time per step | {ms(published)} ms "
@@ -275,7 +339,7 @@ def rerun_at(row: Row, nvlink_bytes_per_s: float) -> float:
     traces = _TRACES.get(row.case)
     if traces is None:
         return float("nan")
-    results = replay(traces, replace(HARDWARE[row.case.hardware], nvlink_bytes_per_s=nvlink_bytes_per_s))
+    results = replay_case(row.case, traces, replace(HARDWARE[row.case.hardware], nvlink_bytes_per_s=nvlink_bytes_per_s))
     return max(r.finish_s for r in results.values())
 
 
