@@ -339,7 +339,8 @@ def calibration(rows: Sequence[Row]) -> list[str]:
         "when the gradient-norm all-reduce lines the stages up before their steps, stage s starts the next forward s "
         "microbatch forwards after stage 0, and its step can run that much longer unseen: only stage 0's step "
         f"({100 * stage_ns[0] / stage_ns[kimi.case.stage]:.0f} % of the traced stage's NS: 14 MoE layers, the dense layer "
-        "and the embedding) is fully exposed, while the replay counts the traced stage's step whole. The other {ms(compute - ns)} ms are memory-bound elementwise passes, as for Qwen3 |"
+        "and the embedding) is fully exposed, while the replay counts the traced stage's step whole. The other "
+        f"{ms(compute - ns)} ms of compute are memory-bound elementwise passes, as for Qwen3 |"
     )
     eight_b = next((r for r in rows if r.case.model == "Llama-3 8B" and r.case.world == 8), None)
     dion_rate = 642e6 / 15.9e-3
