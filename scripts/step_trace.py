@@ -197,11 +197,11 @@ class Parallelism:
     has its own optimizer over its own layers. Dense parameters are FSDP2-sharded over the
     ``dp_shard`` ranks (torchtitan's ``fsdp`` mesh, dp_shard × cp: context parallel ranks shard
     like data-parallel ones), replicated over ``dp_replicate`` (HSDP), and split by the Llama TP plan
-    (``TP_SPLIT_DIM``) over ``tp``. Routed experts (3-D parameters) under ``ep`` > 1 are split whole
-    over the ``ep`` ranks, carved out of the FSDP ranks (etp = 1, so tp must be 1), and FSDP2-sharded
-    over the remaining ``efsdp`` = dp_shard / ep ranks; ep is innermost, so with ep ≤ GPUs per node
-    an expert's efsdp shards are on other nodes, and with ep = dp_shard (efsdp = 1) experts are whole
-    on their holders."""
+    (``TP_SPLIT_DIM``) over ``tp``. Routed experts (3-D parameters) under ``ep`` > 1 are split over
+    the ``ep`` ranks, carved out of the FSDP ranks as torchtitan's sparse mesh ``(pp, dp_replicate,
+    efsdp, ep)`` carves them (ep innermost; etp = 1, so tp must be 1), and FSDP2 splits each EP rank's
+    experts again over the ``efsdp`` = dp_shard / ep others: along the expert dimension, so that every
+    expert stays whole on one rank, unless efsdp · ep exceeds the experts, then along their rows."""
 
     dp_shard: int
     dp_replicate: int = 1
@@ -237,11 +237,13 @@ class Parallelism:
     def name(self) -> str:
         if (self.tp, self.ep, self.pp) == (1, 1, 1):
             return "FSDP" if self.dp_replicate == 1 else f"HSDP {self.dp_shard}"
-        parts = [f"PP{self.pp}"] if self.pp > 1 else []
-        parts.append(f"DP{self.dp_replicate * self.dp_shard}" if self.tp == 1 else f"FSDP {self.dp_shard}")
+        if self.tp > 1:  # "FSDP 8 × TP 8"
+            data = f"FSDP {self.dp_shard}" if self.dp_replicate == 1 else f"HSDP {self.dp_replicate} × {self.dp_shard}"
+            return " × ".join(([f"PP {self.pp}"] if self.pp > 1 else []) + [data, f"TP {self.tp}"])
+        parts = [f"PP{self.pp}"] if self.pp > 1 else []  # as NVIDIA names its runs: "PP4 DP64 EP64"
+        parts.append(f"DP{self.dp_replicate * self.dp_shard}")
         parts += [f"EP{self.ep}"] if self.ep > 1 else []
-        parts += [f"TP {self.tp}"] if self.tp > 1 else []
-        return " × ".join(parts) if self.tp > 1 else " ".join(parts)
+        return " ".join(parts)
 
 
 class _Meshes:
@@ -250,9 +252,10 @@ class _Meshes:
     def __init__(self, parallelism: Parallelism):
         self.parallelism = parallelism
         p = parallelism
-        # Only dimensions of more than one rank: a plain FSDP or HSDP run gets the 1-D or 2-D mesh
-        # FSDP2 itself would build.
-        dense = [(n, d) for n, d in (("pp", p.pp), ("dp_replicate", p.dp_replicate), ("fsdp", p.dp_shard), ("tp", p.tp)) if d > 1]
+        # Only dimensions of more than one rank (and always fsdp): a plain FSDP or HSDP run gets the
+        # 1-D or 2-D mesh FSDP2 itself would build.
+        dims = (("pp", p.pp), ("dp_replicate", p.dp_replicate), ("fsdp", p.dp_shard), ("tp", p.tp))
+        dense = [(n, d) for n, d in dims if d > 1 or n == "fsdp"]
         world = init_device_mesh("meta", tuple(d for _, d in dense), mesh_dim_names=tuple(n for n, _ in dense))
         names = tuple(n for n, _ in dense if n != "pp")
         self.dense = world[names] if p.pp > 1 else world
