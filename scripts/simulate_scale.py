@@ -490,8 +490,10 @@ FINDINGS = """## What the replay shows
 - **Tensor parallel changes the pieces, not the work.** Llama-3 70B on FSDP 8 × TP 8 replays within
   0.2 % of FSDP on 64 (391.6 vs 390.8 ms): every matrix is still spread over all 64 ranks in equal
   parts (one rank set, one exchange) and orthogonalized once by one owner, so the bytes (4,024 MiB
-  per rank) and the NS are the same. Row-wise layers arrive as column blocks, which owners assemble
-  piece by piece: 3,564 kernels per rank instead of 2,934, 25 ms of host time, hidden under compute.
+  per rank) and the NS are the same. Row-wise layers arrive as column blocks, which owners copy
+  into place and split back out piece by piece (a copy and a clone per piece, where row blocks take
+  one concatenation per matrix): 3,564 kernels per rank instead of 2,934, 25 ms of host time instead
+  of 21, hidden under compute.
 - **Expert parallel does not mean no expert traffic.** Under EP (and efsdp splitting the expert
   dimension) every expert is whole on one rank, and the plan leaves it there when that rank has
   room in the round; it moves some to even out Newton–Schulz. Qwen3-30B-A3B on DP8 EP8 sends up to
