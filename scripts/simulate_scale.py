@@ -491,8 +491,8 @@ FINDINGS = """## What the replay shows
   0.2 % of FSDP on 64 (391.6 vs 390.8 ms): every matrix is still spread over all 64 ranks in equal
   parts (one rank set, one exchange) and orthogonalized once by one owner, so the bytes (4,024 MiB
   per rank) and the NS are the same. Row-wise layers arrive as column blocks, which owners copy
-  into place and split back out piece by piece (a copy and a clone per piece, where row blocks take
-  one concatenation per matrix): 3,564 kernels per rank instead of 2,934, 25 ms of host time instead
+  into place and split back out piece by piece (a copy and a clone per piece, where row blocks are
+  joined by one concatenation per batch of matrices): 3,564 kernels per rank instead of 2,934, 25 ms of host time instead
   of 21, hidden under compute.
 - **Expert parallel does not mean no expert traffic.** Under EP (and efsdp splitting the expert
   dimension) every expert is whole on one rank, and the plan leaves it there when that rank has
