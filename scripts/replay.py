@@ -18,6 +18,11 @@ Per rank there is a host clock, one compute stream and one in-order stream per c
   rank: it first waits for the compute work queued before it (``wait_stream``), then for its
   first stage, regroups, and issues the second stage, while the compute stream goes on.
 
+One pipeline stage can be replayed alone (``absent_ranks_keep_pace``): the ranks of a
+collective that have no trace here (the other stages' ranks in the optimizer's pipeline
+agreement) join it when the last traced member does, as stages that finish their optimizer
+steps together would.
+
 Every rate is a field of ``Hardware`` with its source beside it.
 """
 
@@ -121,8 +126,9 @@ class _Rank:
 
 
 class Replay:
-    def __init__(self, traces: list[Trace], hardware: Hardware):
+    def __init__(self, traces: list[Trace], hardware: Hardware, absent_ranks_keep_pace: bool = False):
         self.hardware = hardware
+        self.absent_ranks_keep_pace = absent_ranks_keep_pace
         self.ranks = {t.rank: _Rank(t) for t in traces}
         self.starts: dict[tuple, dict[int, float]] = defaultdict(dict)  # (comm, seq) -> rank -> start
         self.records: dict[tuple, dict[int, Collective]] = defaultdict(dict)
@@ -169,7 +175,7 @@ class Replay:
                 rank.keys.append(key)
                 self.starts[key][rank.trace.rank] = max(rank.host, ready)
                 self.records[key][rank.trace.rank] = event
-                if len(self.starts[key]) == len(event.comm[0]):
+                if len(self.starts[key]) == self._joining(event.comm[0]):
                     self._complete(key)
             elif isinstance(event, Wait):
                 key = rank.keys[event.collective]
@@ -186,11 +192,22 @@ class Replay:
             rank.position += 1
         return rank.position != start_position
 
+    def _joining(self, members: tuple[int, ...]) -> int:
+        """How many ranks must start a collective over `members` before it can complete."""
+        if self.absent_ranks_keep_pace:
+            return sum(1 for rank in members if rank in self.ranks)
+        return len(members)
+
     def _complete(self, key: tuple) -> None:
         hw = self.hardware
         members = key[0][0]
-        starts, ends = self.starts[key], {}
-        for index, rank in enumerate(members):
+        starts, ends = dict(self.starts[key]), {}
+        last = max(starts.values())
+        for rank in members:
+            starts.setdefault(rank, last)  # a rank without a trace here joins with the last traced one
+        for rank in members:
+            if rank not in self.ranks:
+                continue
             event = self.records[key][rank]
             if event.kind == "all_reduce":
                 nbytes, size = event.sent[0], len(members)
@@ -220,5 +237,5 @@ class Replay:
         self.ends[key] = ends
 
 
-def replay(traces: list[Trace], hardware: Hardware | None = None) -> dict[int, RankResult]:
-    return Replay(traces, hardware or Hardware()).run()
+def replay(traces: list[Trace], hardware: Hardware | None = None, absent_ranks_keep_pace: bool = False) -> dict[int, RankResult]:
+    return Replay(traces, hardware or Hardware(), absent_ranks_keep_pace).run()

@@ -32,6 +32,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils import _pytree as pytree
 from torch.utils.flop_counter import flop_registry
 
@@ -177,22 +180,121 @@ def _traced_collectives(trace: Trace, stream=lambda: "compute"):
 
 # ------------------------------------------------------------------ models on meta
 
+# torchtitan 0.2.2's tensor-parallel plans (llama3, and deepseek_v3's for MLA), by module name:
+# the weight dimension TP splits. Column-wise linears and the output split their rows, row-wise
+# linears their columns, the row-wise embedding its vocabulary rows. Every other parameter (norms,
+# MLA's down-projections under NoParallel, the router) is replicated over the TP ranks.
+TP_SPLIT_DIM = {"wq": 0, "wk": 0, "wv": 0, "wq_b": 0, "wkv_b": 0, "w1": 0, "w3": 0, "output": 0, "tok_embeddings": 0,
+                "wo": 1, "w2": 1}  # fmt: skip
 
-def _local_rows(rows: int, parts: int, index: int) -> int:
-    chunk = -(-rows // parts)  # FSDP2 splits dim 0 like torch.chunk
-    return max(0, min(rows, (index + 1) * chunk) - min(rows, index * chunk))
+
+@dataclass(frozen=True)
+class Parallelism:
+    """torchtitan 0.2.2's parallel dimensions, as far as one optimizer step sees them.
+
+    Ranks are numbered as torchtitan's world mesh ``(pp, dp_replicate, fsdp, tp)`` numbers them,
+    tp innermost: pipeline stage s holds the ranks [s·S, (s+1)·S), S = world / pp, and each stage
+    has its own optimizer over its own layers. Dense parameters are FSDP2-sharded over the
+    ``dp_shard`` ranks (torchtitan's ``fsdp`` mesh, dp_shard × cp: context parallel ranks shard
+    like data-parallel ones), replicated over ``dp_replicate`` (HSDP), and split by the Llama TP plan
+    (``TP_SPLIT_DIM``) over ``tp``. Routed experts (3-D parameters) under ``ep`` > 1 are split over
+    the ``ep`` ranks, carved out of the FSDP ranks as torchtitan's sparse mesh ``(pp, dp_replicate,
+    efsdp, ep)`` carves them (ep innermost; etp = 1, so tp must be 1), and FSDP2 splits each EP rank's
+    experts again over the ``efsdp`` = dp_shard / ep others: along the expert dimension, so that every
+    expert stays whole on one rank, unless efsdp · ep exceeds the experts, then along their rows."""
+
+    dp_shard: int
+    dp_replicate: int = 1
+    tp: int = 1
+    ep: int = 1
+    pp: int = 1
+
+    def __post_init__(self):
+        if min(self.dp_shard, self.dp_replicate, self.tp, self.ep, self.pp) < 1:
+            raise ValueError(f"{self}: every degree must be >= 1")
+        if self.ep > 1 and (self.tp > 1 or self.dp_shard % self.ep):
+            raise ValueError(f"{self}: expert parallel needs tp = 1 (etp = 1) and ep dividing dp_shard")
+
+    @property
+    def world(self) -> int:
+        return self.pp * self.dp_replicate * self.dp_shard * self.tp
+
+    @property
+    def stage_size(self) -> int:
+        return self.world // self.pp
+
+    @property
+    def efsdp(self) -> int:
+        return self.dp_shard // self.ep
+
+    def stage_of(self, rank: int) -> int:
+        return rank // self.stage_size
+
+    def stage_ranks(self, stage: int) -> range:
+        return range(stage * self.stage_size, (stage + 1) * self.stage_size)
+
+    @property
+    def name(self) -> str:
+        if (self.tp, self.ep, self.pp) == (1, 1, 1):
+            return "FSDP" if self.dp_replicate == 1 else f"HSDP {self.dp_shard}"
+        if self.tp > 1:  # "FSDP 8 × TP 8"
+            data = f"FSDP {self.dp_shard}" if self.dp_replicate == 1 else f"HSDP {self.dp_replicate} × {self.dp_shard}"
+            return " × ".join(([f"PP {self.pp}"] if self.pp > 1 else []) + [data, f"TP {self.tp}"])
+        parts = [f"PP{self.pp}"] if self.pp > 1 else []  # as NVIDIA names its runs: "PP4 DP64 EP64"
+        parts.append(f"DP{self.dp_replicate * self.dp_shard}")
+        parts += [f"EP{self.ep}"] if self.ep > 1 else []
+        return " ".join(parts)
 
 
-def _sharded(shape: tuple[int, ...], mesh, placements, shard_dim: int) -> nn.Parameter:
-    local = torch.empty(_local_rows(shape[0], mesh.size(shard_dim), mesh.get_local_rank(shard_dim)), *shape[1:], device="meta")
+class _Meshes:
+    """The meta device meshes and placements torchtitan 0.2.2 gives one rank's parameters."""
+
+    def __init__(self, parallelism: Parallelism):
+        self.parallelism = parallelism
+        p = parallelism
+        # Only dimensions of more than one rank (and always fsdp): a plain FSDP or HSDP run gets the
+        # 1-D or 2-D mesh FSDP2 itself would build.
+        dims = (("pp", p.pp), ("dp_replicate", p.dp_replicate), ("fsdp", p.dp_shard), ("tp", p.tp))
+        dense = [(n, d) for n, d in dims if d > 1 or n == "fsdp"]
+        world = init_device_mesh("meta", tuple(d for _, d in dense), mesh_dim_names=tuple(n for n, _ in dense))
+        names = tuple(n for n, _ in dense if n != "pp")
+        self.dense = world[names] if p.pp > 1 else world
+        self.pipeline = world["pp"].get_group() if p.pp > 1 else None
+        self.sparse = None
+        if p.ep > 1:  # torchtitan keeps efsdp even when it has one rank: FSDP2 wraps the experts anyway
+            sparse = [(n, d) for n, d in (("pp", p.pp), ("dp_replicate", p.dp_replicate)) if d > 1] + [("efsdp", p.efsdp), ("ep", p.ep)]
+            mesh = init_device_mesh("meta", tuple(d for _, d in sparse), mesh_dim_names=tuple(n for n, _ in sparse))
+            self.sparse = mesh[tuple(n for n, _ in sparse if n != "pp")]
+
+    def placements(self, name: str, shape: tuple[int, ...]):
+        """(mesh, placements) of parameter `name`, as FSDP2 (and TP, EP) leave it."""
+        p = self.parallelism
+        replicas = [Replicate()] if p.dp_replicate > 1 else []
+        if len(shape) == 3 and p.ep > 1:
+            # EP splits the experts; FSDP2 then splits each rank's experts (strided: it shards the
+            # expert dimension EP already split), or their rows once efsdp · ep exceeds the experts.
+            fsdp = Shard(1) if p.efsdp * p.ep > shape[0] else _StridedShard(0, split_factor=p.ep)
+            return self.sparse, [*replicas, fsdp, Shard(0)]
+        if p.tp == 1:
+            return self.dense, [*replicas, Shard(0)]
+        split = TP_SPLIT_DIM.get(name.split(".")[-2] if name.endswith(".weight") else name.split(".")[-1])
+        if split is None:
+            return self.dense, [*replicas, Shard(0), Replicate()]
+        if split == 0:  # FSDP2 shards dim 0 after TP did: strided, so every rank still holds one row range
+            return self.dense, [*replicas, _StridedShard(0, split_factor=p.tp), Shard(0)]
+        return self.dense, [*replicas, Shard(0), Shard(split)]
+
+
+def _sharded(shape: tuple[int, ...], mesh, placements) -> nn.Parameter:
+    local_shape, _ = compute_local_shape_and_global_offset(shape, mesh, placements)
     stride = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
+    local = torch.empty(local_shape, device="meta")
     return nn.Parameter(DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(shape), stride=stride))
 
 
-def _param_groups(muon: list[tuple[str, tuple[int, ...]]], adamw: list[tuple[str, tuple[int, ...]]], mesh, placements,
-                  shard_dim: int) -> list[dict]:  # fmt: skip
+def _param_groups(muon: list[tuple[str, tuple[int, ...]]], adamw: list[tuple[str, tuple[int, ...]]], meshes: _Meshes) -> list[dict]:
     def build(params):
-        return [_sharded(shape, mesh, placements, shard_dim) for _, shape in params]
+        return [_sharded(shape, *meshes.placements(name, shape)) for name, shape in params]
 
     return [
         {"params": build(muon), "param_names": [n for n, _ in muon], "use_muon": True, "matrix_stacks": True},
@@ -200,19 +302,28 @@ def _param_groups(muon: list[tuple[str, tuple[int, ...]]], adamw: list[tuple[str
     ]
 
 
-def trace_rank(rank: int, world: int, muon: list, adamw: list, shard_group: int | None = None, **settings) -> Trace:
+def trace_rank(rank: int, world: int, muon: list, adamw: list, shard_group: int | None = None,
+               parallelism: Parallelism | None = None, **settings) -> Trace:  # fmt: skip
     """The events of rank `rank`'s second ``Muon.step()`` (the first creates the state) on a model
     with the `muon` and `adamw` parameters ((name, shape) pairs) sharded over `world` ranks (FSDP),
-    or over HSDP shard groups of `shard_group` ranks; `settings` go to ``Muon``."""
+    over HSDP shard groups of `shard_group` ranks, or as `parallelism` lays them out (then `muon`
+    and `adamw` are the parameters of `rank`'s pipeline stage); `settings` go to ``Muon``."""
     from titan_muon import Muon
 
+    if parallelism is None:
+        parallelism = Parallelism(world) if shard_group is None else Parallelism(shard_group, dp_replicate=world // shard_group)
+    if parallelism.world != world:
+        raise ValueError(f"{parallelism} has {parallelism.world} ranks, not {world}")
+    # DTensor's sharding propagation caches output specs with the device mesh they were computed on;
+    # a sub-mesh of another rank traced in this process compares equal to this rank's, but names
+    # that rank's process groups, which no longer exist.
+    _clear_sharding_prop_cache()
     with meta_process_group(rank, world):
-        if shard_group is None:
-            mesh, placements, shard_dim = init_device_mesh("meta", (world,)), [Shard(0)], 0
-        else:
-            mesh, placements, shard_dim = init_device_mesh("meta", (world // shard_group, shard_group)), [Replicate(), Shard(0)], 1
-        groups = _param_groups(muon, adamw, mesh, placements, shard_dim)
+        meshes = _Meshes(parallelism)
+        groups = _param_groups(muon, adamw, meshes)
         params = [p for g in groups for p in g["params"]]
+        if meshes.pipeline is not None:  # as titan_muon's torchtitan container passes it
+            settings = {"pipeline_group": meshes.pipeline, **settings}
         trace = Trace(rank)
         recorder = _Recorder(Trace(rank))
         with recorder:

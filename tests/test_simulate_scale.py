@@ -12,7 +12,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
 from replay import Hardware, replay
-from step_trace import Collective, HostRead, Kernel, Trace, Wait, trace_rank
+from step_trace import (
+    Collective,
+    HostRead,
+    Kernel,
+    Parallelism,
+    Trace,
+    Wait,
+    trace_rank,
+)
 
 from titan_muon.newton_schulz import newton_schulz_flops
 
@@ -227,3 +235,101 @@ def test_llama3_8b_on_8_ranks_is_close_to_its_bound():
         f"replayed step {row.step_s * 1e3:.1f} ms vs bound {row.bound_s * 1e3:.1f} ms + {unhidden * 1e3:.1f} ms"
     )
     assert row.one_lane_s >= row.step_s * (1 - 1e-9)
+
+
+# ------------------------------------------------------------------ torchtitan's parallel layouts
+
+
+def _ns_flops_traced(trace) -> int:
+    return sum(e.flops for e in trace.events if isinstance(e, Kernel) and e.phase == "newton_schulz")
+
+
+def _bytes_to_others(trace) -> int:
+    return sum(
+        sum(b for p, b in zip(e.comm[0], e.sent) if p != trace.rank)
+        for e in trace.events if isinstance(e, Collective) and e.kind == "all_to_all"
+    )  # fmt: skip
+
+
+# Four dense matrices of one Newton–Schulz class (64 x 32 and 32 x 64 cost and weigh the same)
+# and 3 stacks of 8 experts of another (48 x 32 and 32 x 48 likewise): 24 experts, 6 per rank.
+MOE_DENSE = [(f"layers.0.attention.{n}.weight", (64, 32)) for n in ("wq", "wk", "wv")] + [("layers.0.attention.wo.weight", (32, 64))]
+MOE_EXPERTS = [("layers.0.moe.experts.w1", (8, 48, 32)), ("layers.0.moe.experts.w2", (8, 32, 48)), ("layers.0.moe.experts.w3", (8, 48, 32))]
+
+
+@pytest.mark.parametrize("ep", [4, 2], ids=["ep4-efsdp1", "ep2-efsdp2"])
+def test_expert_parallel_leaves_experts_with_their_holders(ep):
+    """DP 4 with EP 4 (experts whole on their EP rank) or EP 2 x efsdp 2 (FSDP2 splits each EP
+    rank's experts along the expert dimension, strided: still whole experts, 6 per rank). The
+    balanced plan is one dense matrix and the rank's own 6 experts per owner (the round's level is
+    exactly 1 dense + 6 experts), so the only bytes are the dense matrices' row shards."""
+    parallelism = Parallelism(4, ep=ep)
+    traces = [trace_rank(r, 4, MOE_DENSE + MOE_EXPERTS, [("norm", (32,))], parallelism=parallelism, comm_dtype="bf16",
+                         ns_dtype="bf16") for r in range(4)]  # fmt: skip
+    # Per rank: its 16-row shard of the 3 dense matrices it does not own goes out, and as an owner
+    # it sends the 3 other ranks' shards of its own matrix back; bf16, 2 bytes an element.
+    dense_shard = 64 // 4 * 32
+    for t in traces:
+        assert _bytes_to_others(t) == t.metrics["muon/bytes_sent"] == 2 * 3 * dense_shard * 2
+        assert _ns_flops_traced(t) == newton_schulz_flops(64, 32, 5) + 6 * newton_schulz_flops(48, 32, 5)
+    results = replay(traces, HW)
+    assert all(result.finish_s > 0 for result in results.values())
+
+
+def test_tensor_parallel_shards_every_matrix_over_fsdp_times_tp():
+    """FSDP 2 x TP 2 under the Llama TP plan: column-wise wq and w1 (TP splits rows, FSDP2 splits
+    each TP rank's rows), row-wise wo and w2 (TP splits columns, FSDP2 rows). Each rank holds a
+    quarter of every matrix, so one exchange over all 4 ranks carries three quarters of each
+    matrix to its owner and back; each matrix is orthogonalized once."""
+    shapes = {"attention.wq": (64, 32), "attention.wo": (32, 64), "feed_forward.w1": (96, 32), "feed_forward.w2": (32, 96)}
+    muon = [(f"layers.0.{name}.weight", shape) for name, shape in shapes.items()]
+    adamw = [("tok_embeddings.weight", (50, 32)), ("layers.0.attention_norm.weight", (32,))]
+    parallelism = Parallelism(2, tp=2)
+    assert parallelism.name == "FSDP 2 × TP 2"
+    traces = [trace_rank(r, 4, muon, adamw, parallelism=parallelism, comm_dtype="bf16", ns_dtype="bf16") for r in range(4)]
+    exchanges = {e.comm[0] for t in traces for e in t.events if isinstance(e, Collective) and e.kind == "all_to_all"}
+    assert exchanges == {(0, 1, 2, 3)}
+    # Exact: every rank holds numel / 4 of every matrix (all dimensions divide), bf16 both ways.
+    expected = sum(2 * 2 * (rows * cols * 3 // 4) for rows, cols in shapes.values())
+    assert sum(_bytes_to_others(t) for t in traces) == sum(t.metrics["muon/bytes_sent"] for t in traces) == expected
+    assert sum(_ns_flops_traced(t) for t in traces) == sum(newton_schulz_flops(*s, 5) for s in shapes.values())
+
+
+def test_pipeline_stages_trace_their_own_layers_and_replay_alone():
+    """PP 2 x DP 2 of a 4-layer Llama: stage 0 (ranks 0, 1) has the embedding and layers 0-1,
+    stage 1 (ranks 2, 3) layers 2-3, the final norm and the output. Each stage's exchange stays
+    among its ranks; the only collective across stages is the optimizer's pipeline agreement,
+    which a stage replayed alone completes with the other stage keeping pace."""
+    import simulate_scale
+    from model_presets import llama3
+
+    model = llama3("tiny", 32, layers=4, heads=4, kv_heads=2, ffn=96)
+    parallelism = Parallelism(2, pp=2)
+    stages = [simulate_scale.stage_params(model, 2, s) for s in range(2)]
+    assert {n.split(".")[1] for n, _ in stages[0][0]} == {"0", "1"} and {n.split(".")[1] for n, _ in stages[1][0]} == {"2", "3"}
+    assert "tok_embeddings.weight" in dict(stages[0][1]) and "output.weight" in dict(stages[1][1])
+    assert "output.weight" not in dict(stages[0][1]) and "tok_embeddings.weight" not in dict(stages[1][1])
+    for stage, (muon, adamw) in enumerate(stages):
+        ranks = parallelism.stage_ranks(stage)
+        traces = [trace_rank(r, 4, muon, adamw, parallelism=parallelism, comm_dtype="bf16", ns_dtype="bf16") for r in ranks]
+        assert sum(_ns_flops_traced(t) for t in traces) == sum(newton_schulz_flops(*shape, 5) for _, shape in muon)
+        for t in traces:
+            comms = {e.comm[0] for e in t.events if isinstance(e, Collective)}
+            pipeline = (t.rank % 2, t.rank % 2 + 2)  # this rank and its counterpart in the other stage
+            assert comms == {tuple(ranks), pipeline}
+        with pytest.raises(RuntimeError, match="deadlock"):
+            replay(traces, HW)
+        assert all(result.finish_s > 0 for result in replay(traces, HW, absent_ranks_keep_pace=True).values())
+
+
+def test_pipeline_layers_split_as_torchtitan_does():
+    """Against torchtitan 0.2.2's own split (its default: embedding and output count as a layer)."""
+    import simulate_scale
+    from torchtitan.distributed.pipeline_parallel import generate_llm_fqn_per_model_part
+
+    for layers, stages in [(61, 4), (4, 2), (32, 4), (80, 8), (48, 3)]:
+        theirs = generate_llm_fqn_per_model_part(stages, layers)
+        ours = simulate_scale.pipeline_layers(layers, stages)
+        assert [[f"layers.{i}" for i in r] for r in ours] == [[m for m in part if m.startswith("layers.")] for part in theirs]
+    kimi = simulate_scale.Case("Kimi-K2 1T", 256, ep=64, pp=4)
+    assert kimi.stage == 1 and kimi.traced_ranks == range(64, 128)  # 16 MoE layers, the first of two such stages
