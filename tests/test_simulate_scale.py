@@ -4,6 +4,7 @@ rules alone, and on traces of the real step whose bytes and FLOPs are known inde
 
 import sys
 from dataclasses import replace
+from types import SimpleNamespace
 from pathlib import Path
 
 import pytest
@@ -333,3 +334,15 @@ def test_pipeline_layers_split_as_torchtitan_does():
         assert [[f"layers.{i}" for i in r] for r in ours] == [[m for m in part if m.startswith("layers.")] for part in theirs]
     kimi = simulate_scale.Case("Kimi-K2 1T", 256, ep=64, pp=4)
     assert kimi.stage == 1 and kimi.traced_ranks == range(64, 128)  # 16 MoE layers, the first of two such stages
+
+
+def test_gather_everything_floor_is_the_groups_whole_newton_schulz():
+    """DMuon's calibration row: gather-everything Muon runs every matrix's NS on every rank, so its step
+    is at least the sum of the owners' NS; the owner step is compared against that floor."""
+    import simulate_scale
+    results = {rank: SimpleNamespace(newton_schulz_s=ns, finish_s=0.1) for rank, ns in enumerate([0.02, 0.03, 0.025, 0.025])}
+    row = simulate_scale.Row(simulate_scale.Case("Llama-3 8B", 4), results, {}, {}, [], 0.0)
+    assert simulate_scale.gather_everything_floor_s(row) == pytest.approx(0.1)
+    (dmuon, canzona) = simulate_scale.owner_versus_gather_rows([row])
+    assert "at least 1.0–1.0x (Llama-3 8B W = 4: 1.0x" in dmuon and "0.15 (the low ends)" in dmuon
+    assert canzona.startswith("| Canzona")
