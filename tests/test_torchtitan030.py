@@ -11,7 +11,9 @@ The runs go through ``torchrun -m titan_muon.train`` (which picks the 0.3 adapte
 file and the suite's usual flags (0.2.2 names, translated by the launcher): a tiny model,
 64-token sequences, 2 ranks (4 for the parallel layouts: PP 2 x FSDP 2, TP 2 x FSDP 2, HSDP 2 x 2,
 each compared with FSDP 2 from the same seed checkpoint), each launch with a timeout. MuonClip is on
-as the TOML files set it.
+as the TOML files set it. Two one-rank launches with --nnodes 2 train as one launch of 2 ranks; one run of
+mla_muon.toml shows split = "fine", overlap, fp8 momentum and MuonClip at work, and a NaN gradient
+(scripts/fault_train030.py) skipped with nonfinite_grads = "skip".
 
 MuonClip's recording is also checked in one process on 0.3.0's own attention modules (llama3 with
 fused or separate q/k/v, deepseek_v3 MLA; SDPA, and FlexAttention with its packed-document mask):
@@ -362,7 +364,6 @@ def test_moe_experts_are_all_muon_parameters(workdir):
     losses = read_losses(str(workdir / "moe"))
     assert sorted(losses) == [1, 2, 3]
     assert re.search(r"qk_clip/max_logit/layers\.1\.attention: [0-9]", log)  # the TOML's MuonClip, on MLA
-
 
 
 # ------------------------------------ mla_muon.toml: split = "fine", overlap, fp8 momentum, MuonClip, skip
