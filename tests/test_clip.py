@@ -16,6 +16,7 @@ from torchtitan.models.deepseek_v3.model.model import DeepSeekV3Model
 from torchtitan.models.llama3.model.args import TransformerModelArgs
 from torchtitan.models.llama3.model.model import Transformer
 
+from titan_muon import Muon, build_param_groups
 from titan_muon.attention_logits import MaxLogitRecorder, block_max_logits, block_rows
 from titan_muon.clip import QKClip, apply_qk_clip, build_qk_clips, find_attention_layers
 
@@ -326,6 +327,27 @@ def test_lr_zero_step_never_clips_and_resets():
         model(tokens())
     assert qk_clip.reduce_and_clip(optimizer)["qk_clip/heads_clipped"] == 18
 
+
+
+def test_a_step_muon_skipped_never_clips():
+    """nonfinite_grads="skip": the skipped step changes no weight, MuonClip's rescaling included; the next
+    healthy step clips again."""
+    model = llama()
+    qk_clip = QKClip(model, tau=1e-3)
+    optimizer = Muon(build_param_groups(model), lr=0.02, nonfinite_grads="skip")
+    model(tokens()).sum().backward()
+    next(model.parameters()).grad.view(-1)[0] = float("nan")
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    optimizer.step()
+    assert optimizer.last_step_skipped
+    metrics = qk_clip.reduce_and_clip(optimizer)
+    assert metrics["qk_clip/heads_clipped"] == 0 and metrics["qk_clip/max_logit"] > 1e-3
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    optimizer.zero_grad()
+    model(tokens()).sum().backward()
+    optimizer.step()
+    assert not optimizer.last_step_skipped
+    assert qk_clip.reduce_and_clip(optimizer)["qk_clip/heads_clipped"] == 18
 
 def test_qk_norm_is_refused_with_a_reason():
     from torchtitan.models.qwen3.model.args import Qwen3ModelArgs

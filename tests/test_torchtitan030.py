@@ -11,7 +11,9 @@ The runs go through ``torchrun -m titan_muon.train`` (which picks the 0.3 adapte
 file and the suite's usual flags (0.2.2 names, translated by the launcher): a tiny model,
 64-token sequences, 2 ranks (4 for the parallel layouts: PP 2 x FSDP 2, TP 2 x FSDP 2, HSDP 2 x 2,
 each compared with FSDP 2 from the same seed checkpoint), each launch with a timeout. MuonClip is on
-as the TOML files set it.
+as the TOML files set it. Two one-rank launches with --nnodes 2 train as one launch of 2 ranks; one run of
+mla_muon.toml shows split = "fine", overlap, fp8 momentum and MuonClip at work, and a NaN gradient
+(scripts/fault_train030.py) skipped with nonfinite_grads = "skip".
 
 MuonClip's recording is also checked in one process on 0.3.0's own attention modules (llama3 with
 fused or separate q/k/v, deepseek_v3 MLA; SDPA, and FlexAttention with its packed-document mask):
@@ -22,6 +24,7 @@ brings the clipped heads to tau on a re-recording.
 import math
 import re
 import shutil
+import socket
 import subprocess
 from pathlib import Path
 
@@ -42,6 +45,7 @@ from types import SimpleNamespace  # noqa: E402
 
 import torch.distributed.checkpoint as dcp  # noqa: E402
 from distributed import one_sequence_corpus, tiny_run_flags, trainer_flags  # noqa: E402
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save  # noqa: E402
 from torch.nn.attention.flex_attention import flex_attention  # noqa: E402
 from torchtitan.components.checkpointer import CheckpointManager  # noqa: E402
 from torchtitan.config import ConfigManager, apply_overrides  # noqa: E402
@@ -61,6 +65,7 @@ from titan_muon.torchtitan.launch import (  # noqa: E402
     read_losses,
     read_scalars,
     start,
+    stop,
     torchrun_command,
 )
 from titan_muon.torchtitan.v030 import cpu  # noqa: E402
@@ -316,6 +321,37 @@ def test_resume_from_dcp_checkpoint_continues_exactly(reference, workdir):
         assert got == {step: expected[step] for step in resumed}, tag
 
 
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_two_nodes_match_one_node(reference, workdir):
+    """Two torchrun launches with --nnodes 2 and one rank each, c10d rendezvous on 127.0.0.1, training the
+    shipped TOML through titan_muon's launcher with the reference run's flags (MuonClip clipping included)."""
+    rdzv = ["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", "t"]
+    overrides = tiny(workdir, "two_nodes", *CLIPPING, *CHECKPOINT_AT_RESUME_STEP)
+    command = torchrun_command(MUON, overrides, nproc=1, rdzv=rdzv, entry=ENTRY)
+    nodes = [start(command) for _ in range(2)]
+    try:
+        results = [finish(node, timeout=RUN_TIMEOUT) for node in nodes]
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                stop(node)
+    assert [r.returncode for r in results] == [0, 0], "\n".join(log_tail(r, 4000) for r in results)
+    # Bit for bit, as on 0.2.2: the same 2 ranks on the same FSDP mesh, the same thread count (torchrun sets
+    # OMP_NUM_THREADS=1 only with several ranks per node; tests/conftest.py sets it for every launch), and a
+    # run is deterministic (docs/reliability.md, "Portability"). Which launch becomes rank 0 does not matter:
+    # both run the same command on the same machine. Nothing titan_muon plans depends on the node count at
+    # 2 ranks (the hierarchical exchange needs more than 256), and MuonClip's MAX all-reduce is exact.
+    for tag in ("loss_metrics/global_avg_loss", "grad_norm", "qk_clip/max_logit", "qk_clip/heads_clipped"):
+        expected = read_scalars(str(reference), tag)
+        assert sorted(expected) == list(range(1, STEPS + 1)), tag
+        assert read_scalars(str(workdir / "two_nodes"), tag) == expected, tag
+
+
 def test_moe_experts_are_all_muon_parameters(workdir):
     """MLA + MoE (tiny_moe: 6 routed experts split over 2 expert-parallel ranks), with the TOML's
     fp8 momentum and backward overlap: the build log puts every routed expert stack in Muon."""
@@ -328,6 +364,109 @@ def test_moe_experts_are_all_muon_parameters(workdir):
     losses = read_losses(str(workdir / "moe"))
     assert sorted(losses) == [1, 2, 3]
     assert re.search(r"qk_clip/max_logit/layers\.1\.attention: [0-9]", log)  # the TOML's MuonClip, on MLA
+
+
+# ------------------------------------ mla_muon.toml: split = "fine", overlap, fp8 momentum, MuonClip, skip
+
+MLA = "train_configs/mla_muon.toml"  # overlap = true, momentum_dtype = "fp8", qk_clip = true
+NONFINITE_STEP = 2
+FAULT_TRAIN = ("scripts/fault_train030.py",)  # titan_muon.train with a NaN gradient injected
+
+
+@pytest.fixture(scope="module")
+def mla_run(workdir) -> tuple[Path, str]:
+    """mla_muon.toml on tiny_dense MLA, 3 steps on 2 ranks, with what the TOML leaves off turned on: split =
+    "fine", tau 0.05 (every step clips; max logits start near 0.08) and nonfinite_grads = "skip", with rank 1's
+    gradients made NaN in the backward of step 2 (the loss stays finite: torchtitan 0.3.0 stops on a
+    non-finite loss). A checkpoint after every step."""
+    flags = tiny(
+        workdir, "mla", "--optimizer.split", "fine", "--optimizer.qk_clip_tau", "0.05",
+        "--optimizer.nonfinite_grads", "skip", "--checkpoint.enable", "--checkpoint.interval", "1",
+        "--checkpoint.no-last-save-model-only", steps=3, flavor="tiny_dense",
+    )  # fmt: skip
+    fault = {"FAULT_NONFINITE_GRAD_AT_STEP": str(NONFINITE_STEP), "FAULT_RANK": "1"}
+    result = finish(start(torchrun_command(MLA, flags, entry=FAULT_TRAIN), env=fault), RUN_TIMEOUT)
+    if result.returncode != 0:
+        raise RuntimeError(f"training failed (exit {result.returncode}):\n{log_tail(result)}")
+    return workdir / "mla", result.stdout + result.stderr
+
+
+def test_fine_split_orthogonalizes_mla_nope_and_rope_apart(mla_run):
+    """tiny_dense: 4 heads, q_nope 16 | q_rope 8 rows per query head, k_nope 16 | v 16 per kv head."""
+    dump, log = mla_run
+    assert ('titan_muon split = \'fine\': layers.*.attention.wq_b.weight 96 rows = 4 x (16 | 8); '
+            'layers.*.attention.wkv_b.weight 128 rows = 4 x (16 | 16)') in log  # fmt: skip
+    assert sorted(read_losses(str(dump))) == [1, 2, 3]
+
+
+def test_overlap_sends_every_round_during_backward(mla_run):
+    dump, _ = mla_run
+    rounds = read_scalars(str(dump), "muon/rounds")
+    in_backward = read_scalars(str(dump), "muon/rounds_sent_in_backward")
+    sent_in_backward = read_scalars(str(dump), "muon/bytes_sent_in_backward")
+    assert sorted(in_backward) == [1, 3]  # step 2 was skipped: no update, no round used
+    assert all(in_backward[step] == rounds[step] > 0 and sent_in_backward[step] > 0 for step in in_backward)
+    # The bytes of a step: gradients out during backward, updates back in step(); the same every step. The
+    # skipped step reports what it sent during backward (and waited for, and dropped); a checkpoint's conversion
+    # of the owners' momentum to the parameters' layout is counted in no step.
+    bytes_sent = read_scalars(str(dump), "muon/bytes_sent")
+    assert bytes_sent == {1: bytes_sent[1], NONFINITE_STEP: sent_in_backward[1], 3: bytes_sent[1]}
+
+
+def saved_tensors(checkpoint: Path, workdir: Path) -> dict[str, torch.Tensor]:
+    """The model's weights and the optimizer's state (``optimizer.state.{fqn}.{name}``) of a DCP checkpoint."""
+    converted = workdir / f"{checkpoint.parent.parent.name}_{checkpoint.name}.pt"
+    dcp_to_torch_save(checkpoint, converted)
+    saved = torch.load(converted, weights_only=False)
+    state = {f"optimizer.{key}": value for key, value in saved["optimizer"].items() if key.startswith("state.")}
+    return {key: value for key, value in saved.items() if isinstance(value, torch.Tensor)} | state
+
+
+def test_fp8_momentum_is_one_byte_per_element(mla_run, workdir):
+    dump, _ = mla_run
+    per_element = read_scalars(str(dump), "muon/momentum_bytes_per_element")
+    # one e4m3 code byte per element plus one exponent byte per row and 256-column block: 1 + 1/cols for
+    # this model's matrices (32 to 128 columns); bf16 would be 2 and fp32 4
+    assert sorted(per_element) == [1, 3] and all(1.0 < v <= 1 + 1 / 32 for v in per_element.values()), per_element
+    saved = saved_tensors(dump / "checkpoint" / "step-3", workdir)
+    matrices = {k for k, v in saved.items() if v.ndim == 2 and k.startswith("layers.")}  # tiny_dense: all in Muon
+    assert {k.removeprefix("optimizer.state.") for k in saved if k.endswith(".momentum_fp8")} == {
+        f"{k}.momentum_fp8" for k in matrices
+    }
+    assert not any(k.endswith("momentum_buffer") for k in saved)
+    for name in matrices:
+        codes, exponents = saved[f"optimizer.state.{name}.momentum_fp8"], saved[f"optimizer.state.{name}.momentum_exp"]
+        rows, cols = saved[name].shape
+        assert codes.dtype == torch.uint8 and codes.shape == (rows, cols), name
+        assert exponents.dtype == torch.int8 and exponents.shape == (rows, math.ceil(cols / 256)), name
+
+
+def test_muonclip_clips_every_step_it_is_not_skipped(mla_run):
+    dump, _ = mla_run
+    clipped = read_scalars(str(dump), "qk_clip/heads_clipped")
+    assert clipped[1] > 0 and clipped[3] > 0, clipped
+    assert clipped[NONFINITE_STEP] == 0, clipped  # recorded (qk_clip/max_logit) but a skipped step moves nothing
+    assert all(value > 0.05 for value in read_scalars(str(dump), "qk_clip/max_logit").values())
+
+
+def test_a_nonfinite_gradient_skips_the_step_on_every_rank(mla_run, workdir):
+    """Rank 1's NaN gradients in step 2: torchtitan's grad norm is NaN (and its clipping spreads the NaN to every
+    gradient), Muon skips on both ranks, and step 2 changes no weight and no optimizer state, MuonClip's
+    rescaling and the fp8 momentum included; training goes on at step 3."""
+    dump, _ = mla_run
+    assert read_scalars(str(dump), "muon/skipped_steps") == {1: 0, 2: 1, 3: 1}
+    grad_norm = read_scalars(str(dump), "grad_norm")
+    assert math.isnan(grad_norm[NONFINITE_STEP]) and math.isfinite(grad_norm[1]) and math.isfinite(grad_norm[3])
+    assert all(math.isfinite(loss) for loss in read_losses(str(dump)).values())
+    before = saved_tensors(dump / "checkpoint" / f"step-{NONFINITE_STEP - 1}", workdir)
+    after = saved_tensors(dump / "checkpoint" / f"step-{NONFINITE_STEP}", workdir)
+    assert before.keys() == after.keys()
+    changed = [key for key in before if not torch.equal(before[key], after[key])]
+    assert changed == [], changed
+    trained = saved_tensors(dump / "checkpoint" / "step-3", workdir)
+    weight = "layers.0.feed_forward.w1.weight"
+    assert not torch.equal(trained[weight], after[weight])  # and step 3 was an update again
+
 
 
 def test_stock_recipe_trains_with_the_muon_override(workdir):

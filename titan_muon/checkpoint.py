@@ -17,6 +17,7 @@ import torch
 from titan_muon.commit import adamw_step_device
 from titan_muon.owner_state import blocks_to_shards, shards_to_blocks
 from titan_muon.settings import GROUP_KEYS
+from titan_muon.transport import uncounted
 
 
 @dataclass
@@ -41,7 +42,8 @@ def state_dict(opt, state_dict: dict) -> dict:
     for s, engine in enumerate(opt.engines):
         if opt._owners_hold(engine):
             blocks = {u: block for (rank_set, u), block in opt.owner_blocks.items() if rank_set == s}
-            blocks_to_shards(opt.storage, opt.muon_params, engine, blocks, states)
+            with uncounted(engine.outbound, engine.back):
+                blocks_to_shards(opt.storage, opt.muon_params, engine, blocks, states)
     if opt.replicas is not None:
         for e in held:
             for key in opt.storage.tensor_keys:
@@ -114,7 +116,9 @@ def _move_loaded_momentum_to_owners(opt) -> None:
     opt.owner_blocks = {}
     for s, engine in enumerate(opt.engines):
         if opt._owners_hold(engine):
-            for u, block in shards_to_blocks(opt.storage, opt.muon_params, engine, states).items():
+            with uncounted(engine.outbound, engine.back):
+                blocks = shards_to_blocks(opt.storage, opt.muon_params, engine, states)
+            for u, block in blocks.items():
                 opt.owner_blocks[(s, u)] = block
     for e in sharded:
         placeholders = opt.storage.placeholders(opt.device)

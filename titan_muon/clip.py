@@ -267,10 +267,12 @@ class QKClip:
         """All-reduce the step's max logits, clip, reset. Call on every rank of the group right after optimizer.step().
 
         The step's learning rate comes from ``lr`` or the optimizer's largest group lr; a step at
-        lr == 0 (torch DCP creating optimizer state) never clips.
+        lr == 0 (torch DCP creating optimizer state) never clips, nor one the optimizer skipped
+        (Muon's ``nonfinite_grads="skip"``: a skipped step changes no weight).
         """
         max_logits = self.recorder.all_reduce(self.group)
-        live = _step_is_live(optimizer, lr, max_logits.device)
+        skipped = getattr(optimizer, "last_step_skipped", False)
+        live = False if skipped else _step_is_live(optimizer, lr, max_logits.device)
         if live is False:
             clipped = torch.zeros(max_logits.shape, dtype=torch.bool, device=max_logits.device)
         else:

@@ -14,22 +14,31 @@ def step_metrics(work, timer: StepTimer, engines, skipped_steps: int) -> dict[st
     bytes on the wire in both directions (during backward and in ``step()``), peak transient
     bytes, rounds, skipped steps and the update RMS (a device scalar). Resets the lanes' byte
     counters, so the next step's backward sends are counted from here."""
-    lanes = [lane for engine in engines for lane in (engine.outbound, engine.back)]
     metrics: dict[str, float | Tensor] = {
         "muon/step_time_ms": timer.elapsed_ms("step"),
         "muon/ns_time_ms": timer.elapsed_ms("ns"),
         "muon/ns_flops": float(work.ns_flops),
-        "muon/bytes_sent": float(sum(lane.bytes_sent for lane in lanes)),
+        **wire_bytes(engines),
         "muon/bytes_sent_to_owners": float(sum(engine.bytes_to_owners for engine in engines)),
-        "muon/bytes_received": float(sum(lane.bytes_received for lane in lanes)),
         "muon/skipped_steps": float(skipped_steps),
         "muon/peak_transient_bytes": float(work.memory.peak),
         "muon/rounds": float(sum(len(engine.tables) for engine in engines)),
     }
-    for lane in lanes:
-        lane.bytes_sent = lane.bytes_received = 0
     if work.update_sq:
         metrics["muon/update_rms"] = (torch.stack(work.update_sq).sum() / work.update_numel).sqrt()
+    return metrics
+
+
+def wire_bytes(engines) -> dict[str, float]:
+    """``muon/bytes_sent`` and ``muon/bytes_received`` of the exchange lanes since the last call
+    (this step's, backward included), and the counters reset for the next step."""
+    lanes = [lane for engine in engines for lane in (engine.outbound, engine.back)]
+    metrics = {
+        "muon/bytes_sent": float(sum(lane.bytes_sent for lane in lanes)),
+        "muon/bytes_received": float(sum(lane.bytes_received for lane in lanes)),
+    }
+    for lane in lanes:
+        lane.bytes_sent = lane.bytes_received = 0
     return metrics
 
 

@@ -42,7 +42,7 @@ from titan_muon.exchange import ExchangeEngine, MemoryAccount, StepFailure, agre
 from titan_muon.orthogonalizer import NS_WORKSPACE, Orthogonalizer
 from titan_muon.overlap import BackwardOverlap
 from titan_muon.overlap import metrics as overlap_metrics
-from titan_muon.metrics import momentum_bytes_per_element, state_bytes, step_metrics
+from titan_muon.metrics import momentum_bytes_per_element, state_bytes, step_metrics, wire_bytes
 from titan_muon.params import MuonParam, build_units, locate
 from titan_muon.plan import OVERLAP_MIN_ROUNDS, Piece, Unit, build_plan, rank_tables, send_counts_by_round
 from titan_muon.redistribute import Batch, local_piece
@@ -71,7 +71,8 @@ class Muon(Optimizer):
         exchange_memory_mb: per-GPU MiB for the exchange buffers of the rounds in flight
             (8192); an owner always takes at least one matrix per round;
         rounds_in_flight (2); bucket_size_mb, buckets_in_flight: their deprecated names;
-        nonfinite_grads: "raise" on every rank, or "skip" the step on every rank;
+        nonfinite_grads: "raise" on every rank, or "skip" the step on every rank (then
+            ``last_step_skipped`` is True until the next step, and QK-clip leaves it alone);
         row_blocks: Muon Split, FQN patterns -> row-block sizes (one block per head);
         momentum_dtype: "fp32", "bf16" or "fp8" (state.py);
         overlap: momentum on the owners, gradients sent during backward (overlap.py);
@@ -147,6 +148,7 @@ class Muon(Optimizer):
         self._layout_ready = False
         super().__init__(params, defaults)
         self.skipped_steps = 0
+        self.last_step_skipped = False
         self.owner_blocks: dict[tuple[int, int], dict] = {}  # (rank set, unit) -> whole-matrix state
         self._metrics: dict[str, float | Tensor] = {}
         self._metrics_read: dict[str, float] | None = None
@@ -282,9 +284,11 @@ class Muon(Optimizer):
         params = [p for g in self.param_groups for p in g["params"]]
         with phase("check_gradients"):
             verdict = agree_on_gradients(params, lambda i: self._names[i], self.transport, self._overlaps, self.nonfinite_grads, self.pipeline)
+        self.last_step_skipped = verdict.skip_step
         if verdict.skip_step:
             self.skipped_steps += 1
-            self._set_metrics({"muon/skipped_steps": float(self.skipped_steps)})
+            # what overlap sent during this step's backward is this step's, not the next one's
+            self._set_metrics({**wire_bytes(self.engines), "muon/skipped_steps": float(self.skipped_steps)})
             return loss
         failure, work = StepFailure(), StepWork()
         if self.replicas is not None:

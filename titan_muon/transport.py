@@ -379,6 +379,18 @@ class Transport:
             )
 
 
+@contextlib.contextmanager
+def uncounted(*transports: Transport):
+    """Traffic that belongs to no step (checkpoint conversions): kept out of the byte counters that
+    a step's ``muon/bytes_sent`` / ``bytes_received`` read, which would otherwise include it."""
+    counters = [(t.bytes_sent, t.bytes_received) for t in transports]
+    try:
+        yield
+    finally:
+        for transport, (sent, received) in zip(transports, counters):
+            transport.bytes_sent, transport.bytes_received = sent, received
+
+
 _LANE_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
 
 

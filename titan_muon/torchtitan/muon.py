@@ -6,12 +6,16 @@ titan_muon.torchtitan.config (plus torchtitan's ``lr``, ``weight_decay``, ``beta
 ``beta2``, ``eps`` and ``implementation``). Nothing here imports torchtitan.
 """
 
+import logging
 from typing import Any
 
 import torch.nn as nn
 
 from titan_muon import Muon, build_param_groups
-from titan_muon.split import attention_row_blocks
+from titan_muon.param_groups import fqn_pattern
+from titan_muon.split import RowBlocks, attention_row_blocks
+
+logger = logging.getLogger(__name__)
 
 
 def muon_kwargs(config: Any) -> dict[str, Any]:
@@ -63,7 +67,23 @@ def build_muon(model: nn.Module, config: Any, kwargs: dict[str, Any], pipeline: 
     # A pipeline stage may hold no attention layer (embeddings only, or norm + output).
     row_blocks = attention_row_blocks(model, config.split, missing_ok=pipeline)
     blocks = {name: rows for name, rows in row_blocks.items() if name in muon_names}
+    if blocks:
+        logger.info("titan_muon split = %r: %s", config.split, describe_row_blocks(model, blocks))
     return Muon(groups, row_blocks=blocks, **kwargs)
+
+
+def describe_row_blocks(model: nn.Module, blocks: dict[str, RowBlocks]) -> str:
+    """One entry per parameter pattern: its rows as repeats of the row-block sizes, e.g.
+    ``layers.*.attention.wq_b.weight 96 rows = 4 x (16 | 8)`` (MLA's q_nope | q_rope, split = "fine")."""
+    shapes = {name: tuple(param.shape) for name, param in model.named_parameters()}
+    entries = []
+    for name, pattern in blocks.items():
+        sizes = (pattern,) if isinstance(pattern, int) else tuple(pattern)
+        rows = shapes[name][-2]
+        entry = f"{fqn_pattern(name)} {rows} rows = {rows // sum(sizes)} x ({' | '.join(map(str, sizes))})"
+        if entry not in entries:  # the same parameter of every layer
+            entries.append(entry)
+    return "; ".join(entries)
 
 
 def merged_step_metrics(optimizers: list[Muon]) -> dict[str, float]:
