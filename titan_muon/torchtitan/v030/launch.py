@@ -233,6 +233,12 @@ def main(argv: list[str] | None = None) -> None:
             logger.info("Created seed checkpoint")
         else:
             trainer.train()
+        if torch.distributed.is_initialized():
+            # Leave together: 0.3.0's rank 0 sleeps 2 s after training while the others tear down
+            # at once, and a rank tearing down alone now and then aborted at exit ("terminate called
+            # without an active exception", docs/torchtitan.md). Only after success: a rank that
+            # raised must not wait here for ranks that never arrive.
+            torch.distributed.barrier()
     finally:
         if trainer is not None:
             trainer.close()
