@@ -164,7 +164,7 @@ def _pipeline(tau):
             fully_shard(block, mesh=dims.get_mesh("fsdp"))
         fully_shard(part, mesh=dims.get_mesh("fsdp"))
     groups = qk_clip_group(dims)
-    qk_clips = build_model_part_qk_clips(parts, SimpleNamespace(qk_clip_tau=tau, qk_clip_alpha=0.5), dims)
+    qk_clips = build_model_part_qk_clips(parts, SimpleNamespace(qk_clip_tau=tau, qk_clip_alpha=0.5, qk_clip_recording="auto"), dims)
     metrics, params = run_stage(parts, batch, qk_clips)
     return dict(stage=stage, group_sizes=[g.size() for g in groups], skipped=[c is None for c in qk_clips], metrics=metrics, params=params)
 
