@@ -18,6 +18,7 @@ import contextlib
 import os
 import signal
 import time
+from pathlib import Path
 
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torchtitan.train import main
@@ -35,6 +36,9 @@ def fault_step(name: str) -> int | None:
 
 
 def die() -> None:
+    marker_dir = os.environ.get("FAULT_MARKER_DIR")  # torchrun may show only rank 0's output: say it in a file
+    if marker_dir:
+        Path(marker_dir, f"rank{os.environ.get('RANK')}-sigkill").touch()
     os.kill(os.getpid(), signal.SIGKILL)
 
 
