@@ -5,7 +5,6 @@ Every run goes through tests/distributed.py, which kills all ranks and fails aft
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
