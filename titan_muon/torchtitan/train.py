@@ -18,7 +18,7 @@ if uses_config_functions():
 
     def run() -> None:
         """Train with the command line's arguments (torchtitan 0.3's trainer, from the TOML)."""
-        _main_030(sys.argv[1:])
+        _main_030(sys.argv[1:], exit_when_done=True)
 
     __all__ = ["run"]
 else:

@@ -35,6 +35,7 @@ the CPU shims too; add ``--override.imports titan_muon.torchtitan.v030.optimizer
 Either way the run is torchtitan's (build, train or seed checkpoint, close).
 """
 
+import logging
 import os
 import sys
 import tomllib
@@ -218,12 +219,18 @@ def parse(argv: list[str]):
     return manager.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Build the config from ``argv`` (default ``sys.argv[1:]``) and run torchtitan 0.3.0's trainer."""
+def main(argv: list[str] | None = None, exit_when_done: bool = False) -> None:
+    """Build the config from ``argv`` (default ``sys.argv[1:]``) and run torchtitan 0.3.0's trainer.
+
+    ``exit_when_done`` (the ``python -m titan_muon.train`` entry point): after a successful run and
+    the trainer's close, end the process at once (``os._exit(0)``) instead of tearing down the
+    process group and the interpreter, where a non-zero rank now and then aborted with SIGABRT on
+    0.3.0 + torch 2.13, failing a finished run in torchrun's report (docs/torchtitan.md)."""
     init_logger()
     cpu.add_set_timeout()
     config = as_muon_trainer(parse(sys.argv[1:] if argv is None else argv))  # a stock recipe gets the shims too
     trainer = None
+    succeeded = False
     try:
         trainer = config.build()
         if config.checkpoint.create_seed_checkpoint:
@@ -239,11 +246,22 @@ def main(argv: list[str] | None = None) -> None:
             # without an active exception", docs/torchtitan.md). Only after success: a rank that
             # raised must not wait here for ranks that never arrive.
             torch.distributed.barrier()
+        succeeded = True
     finally:
         if trainer is not None:
             trainer.close()
+        if succeeded and exit_when_done:
+            _exit_at_once()
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+
+
+def _exit_at_once() -> None:
+    """Exit 0 now: everything the run writes is closed (metrics, checkpoints); flush the logs."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
