@@ -24,7 +24,6 @@ brings the clipped heads to tau on a re-recording.
 import math
 import re
 import shutil
-import socket
 import subprocess
 from pathlib import Path
 
@@ -61,11 +60,12 @@ from titan_muon.torchtitan.data import (  # noqa: E402
 )
 from titan_muon.torchtitan.launch import (  # noqa: E402
     finish,
+    local_nodes_rendezvous,
     log_tail,
     read_losses,
     read_scalars,
+    run_together,
     start,
-    stop,
     torchrun_command,
 )
 from titan_muon.torchtitan.v030 import cpu  # noqa: E402
@@ -321,25 +321,12 @@ def test_resume_from_dcp_checkpoint_continues_exactly(reference, workdir):
         assert got == {step: expected[step] for step in resumed}, tag
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_two_nodes_match_one_node(reference, workdir):
     """Two torchrun launches with --nnodes 2 and one rank each, c10d rendezvous on 127.0.0.1, training the
     shipped TOML through titan_muon's launcher with the reference run's flags (MuonClip clipping included)."""
-    rdzv = ["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", "t"]
     overrides = tiny(workdir, "two_nodes", *CLIPPING, *CHECKPOINT_AT_RESUME_STEP)
-    command = torchrun_command(MUON, overrides, nproc=1, rdzv=rdzv, entry=ENTRY)
-    nodes = [start(command) for _ in range(2)]
-    try:
-        results = [finish(node, timeout=RUN_TIMEOUT) for node in nodes]
-    finally:
-        for node in nodes:
-            if node.poll() is None:
-                stop(node)
+    command = torchrun_command(MUON, overrides, nproc=1, rdzv=local_nodes_rendezvous(2), entry=ENTRY)
+    results = run_together(command, 2, timeout=RUN_TIMEOUT)
     assert [r.returncode for r in results] == [0, 0], "\n".join(log_tail(r, 4000) for r in results)
     # Bit for bit, as on 0.2.2: the same 2 ranks on the same FSDP mesh, the same thread count (torchrun sets
     # OMP_NUM_THREADS=1 only with several ranks per node; tests/conftest.py sets it for every launch), and a

@@ -5,14 +5,13 @@ Every launch goes through a subprocess with a timeout, so a hang fails the test.
 """
 
 import shutil
-import socket
 from pathlib import Path
 
 import pytest
 
 from distributed import one_sequence_corpus, tiny_run_flags, trainer_flags
 from titan_muon.torchtitan.launch import (
-    finish, log_tail, read_losses, read_scalars, run_training, start, stop, torchrun_command,
+    local_nodes_rendezvous, log_tail, read_losses, read_scalars, run_together, run_training, torchrun_command,
 )  # fmt: skip
 
 pytestmark = pytest.mark.timeout(1800)
@@ -114,26 +113,13 @@ def test_changed_muon_adamw_split_fails_clearly(reference, workdir):
     assert "layers.0.attention.wq.weight: checkpoint has ['momentum_buffer']" in log
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_two_nodes_match_one_node(reference, workdir):
     """Two launches with --nnodes 2 and one rank each, rendezvous over c10d on 127.0.0.1."""
-    rdzv = ["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", "t"]
-    command = torchrun_command(MUON, tiny(workdir, "two_nodes"), nproc=1, rdzv=rdzv)
+    command = torchrun_command(MUON, tiny(workdir, "two_nodes"), nproc=1, rdzv=local_nodes_rendezvous(2))
     # Bit for bit: the same ranks, layouts and thread counts (torchrun would set OMP_NUM_THREADS=1
     # only with several ranks per node; tests/conftest.py sets it for every launch), and a run is
     # deterministic (docs/reliability.md, "Portability").
-    nodes = [start(command) for _ in range(2)]
-    try:
-        results = [finish(node, timeout=RUN_TIMEOUT) for node in nodes]
-    finally:
-        for node in nodes:
-            if node.poll() is None:
-                stop(node)
+    results = run_together(command, 2, timeout=RUN_TIMEOUT)
     assert [r.returncode for r in results] == [0, 0], "\n".join(log_tail(r, 4000) for r in results)
     assert read_losses(str(workdir / "two_nodes")) == read_losses(str(reference))
 

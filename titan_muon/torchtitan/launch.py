@@ -7,6 +7,7 @@ hung collective fails the caller instead of blocking it.
 import glob
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -112,6 +113,27 @@ def stop(process: subprocess.Popen, grace: float = 30) -> None:
             return
         except subprocess.TimeoutExpired:
             continue
+
+
+def local_nodes_rendezvous(nodes: int) -> list[str]:
+    """torchrun flags for ``nodes`` launches on this machine that meet over c10d on 127.0.0.1
+    (a port free now), as separate nodes would."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    return ["--nnodes", str(nodes), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "t"]
+
+
+def run_together(command: list[str], copies: int, timeout: float) -> list[subprocess.CompletedProcess]:
+    """Start ``copies`` of ``command`` at once (one per simulated node) and wait for all of them;
+    any still running when one fails or times out is stopped."""
+    processes = [start(command) for _ in range(copies)]
+    try:
+        return [finish(process, timeout=timeout) for process in processes]
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                stop(process)
 
 
 def run_training(
