@@ -43,11 +43,11 @@ def cpu_ms(fn) -> float:
     return 1e3 * (time.process_time() - start)
 
 
-def best_interleaved(fns: dict, repeats: int) -> dict:
+def best_interleaved(fns: dict, repeats: int, timer=cpu_ms) -> dict:
     best = {name: float("inf") for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
-            best[name] = min(best[name], cpu_ms(fn))
+            best[name] = min(best[name], timer(fn))
     return best
 
 
@@ -153,6 +153,23 @@ def size(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def time_and_peak_memory(fns: dict, device: str, repeats: int) -> tuple[dict, dict]:
+    """Best-of-``repeats`` seconds (interleaved, after one warm-up call each: kernel selection,
+    compilation, allocator) and peak extra bytes of each function."""
+    for fn in fns.values():
+        fn()
+    best = best_interleaved(fns, repeats, timer=lambda fn: seconds(fn, device))
+    return best, {name: peak_extra_bytes(fn, device) for name, fn in fns.items()}
+
+
+def print_time_and_memory(best: dict, memory: dict, digits: int) -> None:
+    mib = 1 << 20
+    print("| | time | peak extra memory |")
+    print("|---|---|---|")
+    for name in best:
+        print(f"| {name} | {1e3 * best[name]:.{digits}f} ms | {memory[name] / mib:.1f} MiB |")
+
+
 def long_sequence(shape: str, seq: int, device: str, dtype: torch.dtype, repeats: int) -> None:
     q, k, v = layer_inputs(shape, seq, device, dtype)
     enable_gqa = q.shape[1] != k.shape[1]
@@ -160,13 +177,7 @@ def long_sequence(shape: str, seq: int, device: str, dtype: torch.dtype, repeats
         "recording": lambda: block_max_logits(q, k),
         "SDPA forward": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=enable_gqa),
     }
-    for fn in fns.values():  # warm-up (kernel selection, allocator)
-        fn()
-    best = {name: float("inf") for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            best[name] = min(best[name], seconds(fn, device))
-    memory = {name: peak_extra_bytes(fn, device) for name, fn in fns.items()}
+    best, memory = time_and_peak_memory(fns, device, repeats)
 
     mib = 1 << 20
     element = q.element_size()
@@ -175,10 +186,7 @@ def long_sequence(shape: str, seq: int, device: str, dtype: torch.dtype, repeats
     print(f"  q {size(q) / mib:.0f} MiB, k {size(k) / mib:.0f} MiB, v {size(v) / mib:.0f} MiB; block budget {block_budget(q, k) / mib:.0f} MiB: "
           f"{rows} query rows × {k.shape[1]} KV heads × {seq} keys ({k.shape[1] * rows * seq * element / mib:.1f} MiB), "
           f"{math.ceil(seq / rows)} blocks × {q.shape[1] // k.shape[1]} per GQA group")  # fmt: skip
-    print("| | time | peak extra memory |")
-    print("|---|---|---|")
-    for name in fns:
-        print(f"| {name} | {1e3 * best[name]:.1f} ms | {memory[name] / mib:.1f} MiB |")
+    print_time_and_memory(best, memory, digits=1)
     print(f"| recording / SDPA | {best['recording'] / best['SDPA forward']:.2f}× | {memory['recording'] / memory['SDPA forward']:.2f}× |")
 
 
@@ -206,23 +214,13 @@ def flex_kernel_max_scores(shape: str, seq: int, device: str, dtype: torch.dtype
         "flex forward + max scores": lambda: flex(True),
         "recording (blocks)": lambda: block_max_logits(q, k),
     }
-    for fn in fns.values():  # warm-up: compilation, autotuning, allocator
-        fn()
-    best = {name: float("inf") for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            best[name] = min(best[name], seconds(fn, device))
-    memory = {name: peak_extra_bytes(fn, device) for name, fn in fns.items()}
+    best, memory = time_and_peak_memory(fns, device, repeats)
     from_kernel = flex(True)[1].max_scores.amax(dim=(0, 2))
     from_blocks = block_max_logits(q, k)
     difference = ((from_kernel - from_blocks).abs().max() / from_blocks.abs().max()).item()
 
-    mib = 1 << 20
     print(f"{shape} layer, batch 1, seq {seq}, {dtype}, {device} ({torch.cuda.get_device_name()}), compiled FlexAttention, causal:")
-    print("| | time | peak extra memory |")
-    print("|---|---|---|")
-    for name in fns:
-        print(f"| {name} | {1e3 * best[name]:.2f} ms | {memory[name] / mib:.1f} MiB |")
+    print_time_and_memory(best, memory, digits=2)
     extra = best["flex forward + max scores"] - best["flex forward"]
     print(f"| max scores' extra / blocks | {extra / best['recording (blocks)']:.2f}× | |")
     print(f"kernel max scores vs block recording: max |difference| / max |logit| = {difference:.2e}")
