@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
+from torch.nn.attention.flex_attention import AuxOutput, AuxRequest
 
 from titan_muon.fused_qkv import fused_qkv_layout, projection_owner
 from titan_muon.layout import local_block
@@ -289,10 +290,6 @@ def parameter_device(module: nn.Module) -> torch.device:
 
 def flex_max_scores_supported() -> bool:
     """Whether this torch's FlexAttention can return each query's max score (``AuxRequest.max_scores``)."""
-    try:
-        from torch.nn.attention.flex_attention import AuxRequest
-    except ImportError:
-        return False
     return "max_scores" in AuxRequest._fields
 
 
@@ -333,8 +330,6 @@ class FlexKernelTap:
         take, self.armed = self.armed, None
         if take is None:
             return self.kernel(q, k, v, **kwargs)
-        from torch.nn.attention.flex_attention import AuxOutput, AuxRequest
-
         return_lse = bool(kwargs.pop("return_lse", False))
         request = kwargs.pop("return_aux", None)
         lse = return_lse or (request is not None and request.lse)
