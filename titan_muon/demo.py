@@ -136,8 +136,8 @@ def dct_basis(size: int, device: torch.device | str = "cpu", dtype: torch.dtype 
     key = (size, device, dtype)
     basis = _BASES.get(key)
     if basis is None:
-        k = torch.arange(size, dtype=torch.float64).unsqueeze(1)
-        i = torch.arange(size, dtype=torch.float64).unsqueeze(0)
+        k = torch.arange(size, dtype=torch.float64, device="cpu").unsqueeze(1)
+        i = torch.arange(size, dtype=torch.float64, device="cpu").unsqueeze(0)
         d = torch.cos(math.pi * (2 * i + 1) * k / (2 * size)) * math.sqrt(2.0 / size)
         d[0] *= math.sqrt(0.5)
         basis = _BASES[key] = d.to(device=device, dtype=dtype)

@@ -197,14 +197,15 @@ def build_route(layout: NodeLayout, rank: int, send_counts: Sequence[int], recv_
     node_recv = tuple(sum(row) for row in blocks)
     rail_send = tuple(sum(blocks[i][m] for i in range(per_node)) for m in range(nodes))
     unit = math.gcd(*(b for row in blocks for b in row)) or 1
-    rows = torch.tensor(blocks, dtype=torch.int64).reshape(per_node, nodes) // unit
+    # Index arithmetic on the host, once per plan; only the two finished index tensors go to `device`.
+    rows = torch.tensor(blocks, dtype=torch.int64, device="cpu").reshape(per_node, nodes) // unit
     starts = (rows.flatten().cumsum(0) - rows.flatten()).view(per_node, nodes)  # l-major offsets
     lengths, sources = rows.t().flatten(), starts.t().flatten()  # blocks in m-major order
     total = int(lengths.sum())
-    within = torch.arange(total, dtype=torch.int64) - torch.repeat_interleave(lengths.cumsum(0) - lengths, lengths)
+    within = torch.arange(total, dtype=torch.int64, device="cpu") - torch.repeat_interleave(lengths.cumsum(0) - lengths, lengths)
     forward = torch.repeat_interleave(sources, lengths) + within
     backward = torch.empty_like(forward)
-    backward[forward] = torch.arange(total, dtype=torch.int64)
+    backward[forward] = torch.arange(total, dtype=torch.int64, device="cpu")
     index = torch.int32 if total < 2**31 else torch.int64
     return Route(node_send, node_recv, rail_send, rail_recv, unit, forward.to(index).to(device), backward.to(index).to(device))
 
