@@ -6,8 +6,10 @@
 Rows, all timed with CUDA events after warm-up, medians of repeats, side by side in one run:
   * torch.mm bf16 TFLOP/s on each Newton-Schulz shape (the ceiling), and orthogonalize()'s
     TFLOP/s on batches of the same shape (its share of that ceiling);
-  * titan_muon.Muon.step vs torch.optim.AdamW.step on the same Llama-style parameters
-    (one process: no communication), with the NS time inside Muon's step.
+  * titan_muon.Muon.step (element-wise passes eager and compiled) vs torch.optim.AdamW.step
+    (default and fused kernels) on the same Llama-style parameters (one process: no
+    communication): step time, the NS time inside Muon's step, the rest ("beyond NS") against
+    fused AdamW's whole step, and the peak memory each step allocates on top of what it holds.
 Prints a markdown section for docs/performance.md.
 """
 
@@ -85,15 +87,42 @@ def main() -> None:
             p.grad = torch.randn_like(p)
         return ps
 
-    muon_params, adamw_params = with_grads(params()), with_grads(params())
-    muon = Muon(muon_params, lr=0.02, adjust_lr_fn="match_rms_adamw")  # ns_dtype "auto": bf16 on CUDA
+    def peak_mib(fn) -> float:
+        """Peak memory allocated during fn() above what was allocated before it (MiB; CUDA only)."""
+        if device.type != "cuda":
+            return float("nan")
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return (torch.cuda.max_memory_allocated(device) - before) / 2**20
+
+    adamw_params = with_grads(params())
     adamw = torch.optim.AdamW(adamw_params, lr=1e-3)
-    muon_ms = timed(muon.step, device, args.repeats)
-    adamw_ms = timed(adamw.step, device, args.repeats)
-    ns_ms = muon.last_step_metrics["muon/ns_time_ms"]
-    lines += ["", "| optimizer step (one device) | ms | vs AdamW |", "|---|---|---|",
-              f"| torch.optim.AdamW | {adamw_ms:.1f} | 1.00× |",
-              f"| titan_muon.Muon (NS {ns_ms:.1f} ms of it) | {muon_ms:.1f} | {muon_ms / adamw_ms:.2f}× |"]  # fmt: skip
+    fused_params = with_grads(params())
+    fused_adamw = torch.optim.AdamW(fused_params, lr=1e-3, fused=device.type == "cuda")
+    rows = [("torch.optim.AdamW (default kernel)", timed(adamw.step, device, args.repeats), None, peak_mib(adamw.step)),
+            ("torch.optim.AdamW (fused)", timed(fused_adamw.step, device, args.repeats), None, peak_mib(fused_adamw.step))]  # fmt: skip
+    for compiled in (False, True):  # the element-wise passes eager (several kernels each) or compiled (one pass each)
+        muon = Muon(with_grads(params()), lr=0.02, adjust_lr_fn="match_rms_adamw", compile_elementwise=compiled)  # ns_dtype "auto"
+        ns_times = []
+
+        def step_and_record(muon=muon, ns_times=ns_times):
+            muon.step()
+            ns_times.append(muon.last_step_metrics["muon/ns_time_ms"])  # read after the step's own timing
+
+        step_ms = timed(muon.step, device, args.repeats)
+        timed(step_and_record, device, args.repeats, warmup=0)
+        ns_ms = statistics.median(ns_times)
+        rows.append((f"titan_muon.Muon, element-wise passes {'compiled' if compiled else 'eager'}", step_ms, ns_ms, peak_mib(muon.step)))
+    fused_ms = rows[1][1]
+    lines += ["", "| optimizer step (one device) | ms | NS ms | beyond NS ms | beyond NS / fused AdamW step | peak extra MiB |",
+              "|---|---|---|---|---|---|"]  # fmt: skip
+    for label, step_ms, ns_ms, peak in rows:
+        beyond = step_ms - (ns_ms or 0.0)
+        lines.append(f"| {label} | {step_ms:.1f} | {'' if ns_ms is None else f'{ns_ms:.1f}'} | {beyond:.1f} | "
+                     f"{beyond / fused_ms:.2f}× | {peak:.0f} |")  # fmt: skip
     print("\n".join(lines))
 
 

@@ -36,7 +36,7 @@ from titan_muon import Muon
 from titan_muon.newton_schulz import orthogonalize
 from titan_muon.newton_schulz import newton_schulz_flops, resolve_algorithm
 from titan_muon.plan import shard_rows
-from titan_muon.update import apply_updates_, nesterov_input, update_momentum_, update_scale
+from titan_muon.update import Elementwise, update_scale
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -76,14 +76,16 @@ class GatherEverythingMuon:
         self.params, self.lr, self.wd, self.mu, self.ns_dtype = params, lr, weight_decay, momentum, ns_dtype
         self.momentum = [torch.zeros_like(p.to_local()) for p in params]
         self.bytes_sent = 0
+        self.elementwise = Elementwise(compiled=False)
 
     @torch.no_grad()
     def step(self):
         world, rank = dist.get_world_size(), dist.get_rank()
         self.bytes_sent = 0
         for p, buf in zip(self.params, self.momentum):
-            local = nesterov_input(p.grad.to_local(), buf, self.mu, True)
-            update_momentum_(buf, p.grad.to_local(), self.mu)
+            local = torch.empty_like(buf)
+            self.elementwise.nesterov_input_into(local, p.grad.to_local(), buf, self.mu, True)
+            self.elementwise.momentum_update_(buf, p.grad.to_local(), self.mu)
             rows, cols = p.shape
             chunk = -(-rows // world)
             padded = torch.zeros(chunk, cols)
@@ -94,7 +96,7 @@ class GatherEverythingMuon:
             full = torch.cat([gathered[r * chunk : r * chunk + (e - s)] for r, (s, e) in enumerate(shard_rows(rows, world))])
             ortho = orthogonalize(full, dtype=self.ns_dtype, algorithm="auto").float() * update_scale("match_rms_adamw", rows, cols)
             start, end = shard_rows(rows, world)[rank]
-            apply_updates_([p.to_local()], [ortho[start:end]], self.lr, self.wd)
+            self.elementwise.decay_and_step_([p.to_local()], [ortho[start:end]], self.lr, self.wd)
 
 
 def _timed_steps(opt, module, mesh, steps, warmup):

@@ -39,10 +39,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from model_presets import PRESETS, Model, qwen3_moe
 from replay import Hardware, RankResult, replay
-from step_trace import Collective, Parallelism, Trace, trace_rank
+from step_trace import Collective, Parallelism, Trace, bytes_per_muon_element, trace_rank
 
 ROOT = Path(__file__).resolve().parents[1]
-CUDA_DEFAULTS = {"comm_dtype": "bf16", "ns_dtype": "bf16"}  # what "auto" resolves to on CUDA
+CUDA_DEFAULTS = {"comm_dtype": "bf16", "ns_dtype": "bf16", "compile_elementwise": True}  # what "auto"/None resolve to on CUDA
 
 H100 = Hardware()
 # GB300 (Blackwell Ultra): 2.5 PFLOP/s dense bf16 per GPU, HBM3e 8 TB/s, NVLink 5 at 900 GB/s per
@@ -252,10 +252,11 @@ def simulate(case: Case, workers: int, log=print) -> Row:
     adamw = trace_all(case, workers, muon=False)
     elapsed = time.perf_counter() - start
     row = Row(case, replay_case(case, traces), replay_case(case, one_communicator(traces)), replay_case(case, adamw),
-              [t.metrics for t in traces], elapsed)  # fmt: skip
+              [t.metrics for t in traces], elapsed, {"bytes_per_element": bytes_per_muon_element(traces)})  # fmt: skip
     log(f"{case.model:>15} {case.layout:>7} W={case.world:<4} {case.hardware:>5}: step {ms(row.step_s)} ms, ideal {ms(row.ideal_s)} ms, bound "
         f"{ms(row.bound_s)} ms ({row.ratio:.2f}x; NS {ms(row.busiest('newton_schulz_s'))}, compute "
         f"{ms(row.busiest('compute_s'))}, wire {ms(row.busiest('wire_s'))}, host {ms(row.busiest('host_busy_s'))}), one communicator {ms(row.one_lane_s)} ms, AdamW {ms(row.adamw_s)} ms, "
+        f"peak transient {mib(row.peak_transient_bytes)} MiB, bytes per Muon element {_per_element(row.extra['bytes_per_element'])}, "
         f"traced in {elapsed:.0f} s")  # fmt: skip
     return row
 
@@ -409,8 +410,8 @@ def table(rows: Sequence[Row]) -> list[str]:
     lines = [
         ("| model | layout | W | GPU | step ms | ideal ms | step / ideal | bound ms | step / bound | NS ms | NS busiest / mean | compute ms "
          "| wire ms | host ms | one communicator ms | AdamW-only step ms | MiB sent per rank "
-         "| peak transient MiB per rank | rounds | kernels per rank | host reads |"),
-        "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+         "| peak transient MiB per rank | bytes per Muon element: shard / owner / commit = total | rounds | kernels per rank | host reads |"),
+        "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         c = r.case
@@ -419,9 +420,16 @@ def table(rows: Sequence[Row]) -> list[str]:
             f"{ms(r.bound_s)} | {r.ratio:.2f} | "
             f"{ms(r.busiest('newton_schulz_s'))} | {r.ns_balance:.2f} | {ms(r.busiest('compute_s'))} | "
             f"{ms(r.busiest('wire_s'))} | {ms(r.busiest('host_busy_s'))} | {ms(r.one_lane_s)} | {ms(r.adamw_s)} | "
-            f"{mib(r.bytes_per_rank)} | {mib(r.peak_transient_bytes)} | {r.rounds} | {r.kernels:,} | {r.host_reads} |"
+            f"{mib(r.bytes_per_rank)} | {mib(r.peak_transient_bytes)} | {_per_element(r.extra.get('bytes_per_element'))} | "
+            f"{r.rounds} | {r.kernels:,} | {r.host_reads} |"
         )
     return lines
+
+
+def _per_element(sides: dict | None) -> str:
+    if not sides:
+        return "–"
+    return f"{sides['shard']:.0f} / {sides['owner']:.0f} / {sides['commit']:.0f} = {sides['total']:.0f}"
 
 
 def _cpu_name() -> str:

@@ -42,7 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from meta_device import DeviceAudit, meta_process_group
 
 aten = torch.ops.aten
-_FREE = {aten.empty.memory_format, aten.empty_strided.default, aten.empty_like.default, aten.detach.default,
+FUSED = "fused:"
+_FREE = {aten.empty.memory_format, aten.empty_strided.default, aten.empty_like.default, aten.detach.default, aten._unsafe_view.default,
          aten.lift_fresh.default, aten.set_.source_Storage_storage_offset}  # fmt: skip
 
 
@@ -82,6 +83,7 @@ class Trace:
     events: list = field(default_factory=list)
     collectives: int = 0
     metrics: dict = field(default_factory=dict)  # the optimizer's last_step_metrics for the traced step
+    muon_elements: int = 0  # elements of the Muon parameters' blocks this rank holds
 
     def add_collective(self, collective: Collective) -> int:
         self.events.append(collective)
@@ -108,33 +110,91 @@ class _Recorder(DeviceAudit):
         super().__init__("meta")
         self.trace = trace
         self.phases: list[str] = []
+        self.fused = 0  # depth of titan_muon/fused ranges: the passes a GPU runs as one compiled kernel
 
     def stream(self) -> str:
         return "relay" if "relay" in self.phases else "compute"
+
+    def phase(self) -> str:
+        named = [p for p in self.phases if not p.startswith(FUSED)]
+        return named[-1] if named else "step"
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func.namespace == "profiler":
             if "enter" in func.__name__:
-                self.phases.append(args[0].removeprefix("titan_muon/"))
+                name = args[0].removeprefix("titan_muon/")
+                if name.startswith(FUSED):
+                    if not self.fused:  # one kernel moving what the range names; nothing inside it is recorded
+                        self.trace.events.append(Kernel("fused", 0, int(name[len(FUSED) :]), torch.float32, self.phase(), self.stream()))
+                    self.fused += 1
+                self.phases.append(name)
             elif self.phases:
-                self.phases.pop()
+                self.fused -= self.phases.pop().startswith(FUSED)
             return func(*args, **kwargs)
         reads = self.host_syncs
         out = super().__torch_dispatch__(func, types, args, kwargs)
         if self.host_syncs > reads:
             self.trace.events.append(HostRead())
-        elif func.namespace == "aten" and not func.is_view and func not in _FREE:
+        elif func.namespace == "aten" and not func.is_view and func not in _FREE and not self.fused:
             self.trace.events.append(self._kernel(func, args, kwargs, out))
         return out
 
     def _kernel(self, func, args, kwargs, out) -> Kernel:
-        tensors = [t for t in pytree.tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
-        moved = sum(t.numel() * t.element_size() for t in tensors)
+        moved = _reads(func, args, kwargs) + _writes(func, args, kwargs, out)
         formula = flop_registry.get(func._overloadpacket)
         flops = int(formula(*args, **kwargs, out_val=out)) if formula else 0
+        tensors = [t for t in pytree.tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
         dtype = tensors[0].dtype if tensors else torch.float32
-        return Kernel(str(func), flops, moved, dtype, self.phases[-1] if self.phases else "step", self.stream())
+        return Kernel(str(func), flops, moved, dtype, self.phase(), self.stream())
+
+
+def _bytes(tree) -> int:
+    """Bytes of the distinct tensors in `tree`."""
+    tensors = {id(t): t for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def _reads(func, args, kwargs) -> int:
+    """Bytes an op reads: its tensor inputs, less an ``out=`` buffer and ``copy_``'s destination,
+    which it only writes (an in-place op reads and writes its first argument: it counts in both)."""
+    inputs = {k: v for k, v in kwargs.items() if k != "out"}
+    if func is aten.copy_.default:
+        return _bytes(args[1:])
+    return _bytes((args, inputs))
+
+
+def _writes(func, args, kwargs, out) -> int:
+    """Bytes an op writes: what it returns and, for in-place ops that return nothing (torch's
+    ``_foreach_*_``), the arguments its schema marks as written."""
+    written = [a for a, spec in zip(args, func._schema.arguments) if spec.alias_info is not None and spec.alias_info.is_write]
+    written += [kwargs[spec.name] for spec in func._schema.arguments if spec.kwarg_only and spec.name in kwargs and spec.alias_info is not None and spec.alias_info.is_write]
+    return _bytes((out, written))
+
+
+# Where the step's element-wise work happens, by the phases its kernels run in. Newton–Schulz's
+# matrix products (kernels with FLOPs) are not counted: they are the work itself.
+STEP_SIDES = {
+    "shard": ("pack",),  # momentum and Nesterov input, written into the send buffer
+    "owner": ("assemble", "owner_momentum", "demo", "newton_schulz", "scale", "disassemble"),  # arrivals to NS to the return buffer
+    "commit": ("unpack", "stage_commit", "commit"),  # momentum, weight decay and the update
+}
+
+
+def bytes_per_muon_element(traces: list[Trace]) -> dict[str, float]:
+    """Bytes the traced steps' kernels read and write per Muon element, by side of the step
+    (``STEP_SIDES``) and in all, over the traced ranks together (owners' work and shards balance
+    across ranks, not on each one)."""
+    elements = sum(t.muon_elements for t in traces)
+    sides = {side: 0 for side in STEP_SIDES}
+    for trace in traces:
+        for event in trace.events:
+            if isinstance(event, Kernel) and event.flops == 0:
+                side = next((name for name, phases in STEP_SIDES.items() if event.phase in phases), None)
+                if side is not None:
+                    sides[side] += event.bytes
+    per_element = {side: moved / max(elements, 1) for side, moved in sides.items()}
+    return {**per_element, "total": sum(per_element.values())}
 
 
 @contextlib.contextmanager
@@ -337,5 +397,6 @@ def trace_rank(rank: int, world: int, muon: list, adamw: list, shard_group: int 
                     optimizer.step()
                 optimizer.zero_grad()
             recorder.trace = Trace(rank)  # reading the metrics is the logging step's sync, not the step's
+            trace.muon_elements = sum(p.to_local().numel() for p in groups[0]["params"])
             trace.metrics = {k: float(v) for k, v in optimizer.last_step_metrics.items() if isinstance(v, (int, float))}
         return trace

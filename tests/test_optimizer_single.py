@@ -322,15 +322,55 @@ def test_empty_matrix_is_refused_by_name(shape):
 @pytest.mark.parametrize("nesterov", [True, False])
 def test_owner_nesterov_helper_matches_the_step_and_commit_rules(nesterov):
     """With overlap the owner computes the new momentum and the NS input in one helper; both
-    must be bit for bit what nesterov_input (the step) and update_momentum_ (the commit) give."""
-    from titan_muon.update import nesterov_input, nesterov_input_and_momentum, update_momentum_
+    must be bit for bit what the shard side's pass (the step) and momentum_update_ (the commit) give."""
+    from titan_muon.update import Elementwise
 
+    eager = Elementwise(compiled=False)
     gen = torch.Generator().manual_seed(3)
     grad, momentum = torch.randn(17, 9, generator=gen), torch.randn(17, 9, generator=gen)
-    out = torch.empty_like(grad)
-    new = nesterov_input_and_momentum(grad, momentum, 0.95, nesterov, out=out)
-    assert torch.equal(out, nesterov_input(grad, momentum, 0.95, nesterov))
-    assert torch.equal(new, update_momentum_(momentum.clone(), grad, 0.95))
+    out, expected = torch.empty_like(grad), torch.empty_like(grad)
+    new = eager.nesterov_input_and_momentum_into(out, grad, momentum, 0.95, nesterov)
+    eager.nesterov_input_into(expected, grad, momentum, 0.95, nesterov)
+    assert torch.equal(out, expected)
+    stored = momentum.clone()
+    eager.momentum_update_(stored, grad, 0.95)
+    assert torch.equal(new, stored)
+
+
+def test_compiled_elementwise_passes_equal_the_eager_ones():
+    """compile_elementwise=True runs each pass as one torch.compile'd kernel. Same formulas, so
+    the results agree to fp32 rounding: the compiler may contract a multiply and an add into one
+    fused multiply-add, which rounds once instead of twice, so each of the (at most two) lerps or
+    the decay-and-step differs by at most one rounding of its operands' magnitude:
+    |Δ| ≤ 2·eps32·(|g| + |M|) (lerp), 2·eps32·(|W| + lr·|U|) (step). A bf16 output may then round
+    to the neighbouring bf16 value: one bf16 ulp, eps_bf16·|value|, on top."""
+    from titan_muon.update import Elementwise
+
+    eager, compiled = Elementwise(compiled=False), Elementwise(compiled=True)
+    gen = torch.Generator().manual_seed(5)
+    eps32, eps16 = torch.finfo(torch.float32).eps, torch.finfo(torch.bfloat16).eps
+    for shape in [(37, 53), (8, 64)]:  # two shapes: one dynamic-shape kernel serves both
+        grad, momentum = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+        scale = 2 * eps32 * (grad.abs() + momentum.abs())
+        for dtype in (torch.float32, torch.bfloat16):
+            for nesterov in (True, False):
+                a, b = torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype)
+                eager.nesterov_input_into(a, grad, momentum, 0.95, nesterov)
+                compiled.nesterov_input_into(b, grad, momentum, 0.95, nesterov)
+                bound = 2 * scale + (eps16 * a.float().abs() if dtype == torch.bfloat16 else 0)
+                assert ((a.float() - b.float()).abs() <= bound).all(), (shape, dtype, nesterov)
+                new_a = eager.nesterov_input_and_momentum_into(a, grad, momentum, 0.95, nesterov)
+                new_b = compiled.nesterov_input_and_momentum_into(b, grad, momentum, 0.95, nesterov)
+                assert ((new_a - new_b).abs() <= scale).all()
+        stored_a, stored_b = momentum.clone(), momentum.clone()
+        eager.momentum_update_(stored_a, grad, 0.95)
+        compiled.momentum_update_(stored_b, grad, 0.95)
+        assert ((stored_a - stored_b).abs() <= scale).all()
+        weights, update = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen).bfloat16()
+        w_a, w_b = weights.clone(), weights.clone()
+        eager.decay_and_step_([w_a], [update], lr=0.02, weight_decay=0.1)
+        compiled.decay_and_step_([w_b], [update], lr=0.02, weight_decay=0.1)
+        assert ((w_a - w_b).abs() <= 2 * eps32 * (weights.abs() + 0.02 * update.float().abs())).all()
 
 
 def test_step_phases_are_named_for_the_profiler():
@@ -353,10 +393,10 @@ def test_bf16_weight_decay_uses_the_exact_factor():
     """bf16 parameters decay by 1 - lr·wd computed in fp32, as ``param.mul_(factor)`` does; the
     foreach kernels round a Python float factor to bf16 first (0.998 -> 0.99609375: 1.95x the
     decay). With the update zeroed (lr·U = 0 needs lr = 0, so compare the decay step alone)."""
-    from titan_muon.update import apply_updates_
+    from titan_muon.update import Elementwise
 
     weights = torch.full((4, 4), 3.0, dtype=torch.bfloat16)
-    apply_updates_([weights], [torch.zeros(4, 4, dtype=torch.bfloat16)], lr=0.02, weight_decay=0.1)
+    Elementwise(compiled=False).decay_and_step_([weights], [torch.zeros(4, 4, dtype=torch.bfloat16)], lr=0.02, weight_decay=0.1)
     expected = torch.full((4, 4), 3.0, dtype=torch.bfloat16).mul_(1 - 0.02 * 0.1)  # 2.994 rounds to 3.0 in bf16
     assert torch.equal(weights, expected)
 

@@ -113,8 +113,8 @@ def _clean(rank, world, overrides):
     [
         (2, "titan_muon.orthogonalizer:orthogonalize", 1, {}),
         (3, "titan_muon.orthogonalizer:orthogonalize", 2, {"momentum_dtype": "bf16"}),
-        (3, "titan_muon.optimizer:nesterov_input", 0, {}),
-        (2, "titan_muon.optimizer:nesterov_input", 1, {"rounds_in_flight": 1}),
+        (3, "titan_muon.update:_into", 0, {}),
+        (2, "titan_muon.update:_into", 1, {"rounds_in_flight": 1}),
         (3, "titan_muon.exchange:torch", 1, {}),  # allocating an exchange buffer: recorded, retried once
         (2, "titan_muon.exchange:assemble", 0, {}),
         (3, "titan_muon.commit:staged_state", 2, {"momentum_dtype": "fp8"}),

@@ -30,7 +30,7 @@ class _PassedThrough:
 def state_dict(opt, state_dict: dict) -> dict:
     """`state_dict` (torch's, of `opt`) with the owners' momentum laid out like the parameters;
     with DeMo, each replica's as its slice of a tensor over the replicas (Replicas.stacked)."""
-    held = [e for e in opt.muon_params if opt._on_owner(e)]
+    held = [e for e in opt.muon_params if e.momentum_on_owner]
     if not opt.owner_momentum or not all(e.param in opt.state for e in held):
         return state_dict
     states = {}
@@ -40,7 +40,7 @@ def state_dict(opt, state_dict: dict) -> dict:
             if value.ndim == 0:  # a per-parameter counter: every rank has it
                 states[e.param][key] = opt.state[e.param][key].clone()
     for s, engine in enumerate(opt.engines):
-        if opt._owners_hold(engine):
+        if engine.owners_hold_momentum:
             blocks = {u: block for (rank_set, u), block in opt.owner_blocks.items() if rank_set == s}
             with uncounted(engine.outbound, engine.back):
                 blocks_to_shards(opt.storage, opt.muon_params, engine, blocks, states)
@@ -101,7 +101,7 @@ def load_state_dict(opt, state_dict: dict, torch_load) -> None:
 
 
 def _move_loaded_momentum_to_owners(opt) -> None:
-    sharded = [e for e in opt.muon_params if opt._on_owner(e)]
+    sharded = [e for e in opt.muon_params if e.momentum_on_owner]
     tensors = opt.storage.tensor_keys
     loaded = [all(k in opt.state[e.param] and opt.state[e.param][k].ndim > 0 for k in tensors) for e in sharded]
     if not any(loaded):
@@ -115,7 +115,7 @@ def _move_loaded_momentum_to_owners(opt) -> None:
             states[e.param].update({k: opt.replicas.own_slice(states[e.param][k], e.param, e.name) for k in tensors})
     opt.owner_blocks = {}
     for s, engine in enumerate(opt.engines):
-        if opt._owners_hold(engine):
+        if engine.owners_hold_momentum:
             with uncounted(engine.outbound, engine.back):
                 blocks = shards_to_blocks(opt.storage, opt.muon_params, engine, states)
             for u, block in blocks.items():

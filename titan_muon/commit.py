@@ -20,8 +20,8 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.optim.adamw import adamw as adamw_functional
 
-from titan_muon.exchange import MemoryAccount
-from titan_muon.update import apply_updates_, local_shard
+from titan_muon.exchange import MemoryAccount, StepFailure
+from titan_muon.update import Elementwise, local_shard
 
 
 @dataclass
@@ -49,10 +49,20 @@ def staged_state(storage, state: dict, momentum: Tensor, stream: int, first_row:
     return staged
 
 
-def stage_momentum(storage, entries, state: dict, work: StepWork) -> None:
+def stage_momentum(storage, entries, state: dict, work: StepWork, failure: StepFailure) -> None:
     """New momentum M' = μM + (1−μ)g of the sharded-momentum parameters `entries`: staged tensors
     for bf16/fp8 storage; fp32 momentum is updated in place by the commit, from fp32 gradients
-    (copied to fp32 here if they are not)."""
+    (copied to fp32 here if they are not). Skipped after an earlier failure; a failure here is
+    recorded in `failure`, to be settled on every rank."""
+    if failure.error is not None:
+        return
+    try:
+        _stage(storage, entries, state, work)
+    except Exception as error:  # noqa: BLE001 - settled on every rank in agree_on_success
+        failure.record(error, "staging the new momentum")
+
+
+def _stage(storage, entries, state: dict, work: StepWork) -> None:
     for entry in entries:
         grad = local_shard(entry.param.grad)
         if storage.name == "fp32":
@@ -65,15 +75,19 @@ def stage_momentum(storage, entries, state: dict, work: StepWork) -> None:
         work.staged.append((state[entry.param], staged_state(storage, state[entry.param], momentum, entry.index, None, work.memory)))
 
 
-def commit(storage, entries, state: dict, param_groups: list[dict], work: StepWork) -> None:
+def commit(storage, entries, owner_entries, state: dict, param_groups: list[dict], work: StepWork, elementwise: Elementwise) -> None:
     """Momentum (staged, or fp32 in place for `entries`), then the parameters; allocates nothing
-    but the 0-dim decay factors."""
+    but the 0-dim decay factors. `owner_entries`, whose momentum the owners staged, count the
+    store in their "step" (as their owners' blocks do)."""
     for target, staged in work.staged:
         target.update(staged)
+    for entry in owner_entries:
+        if "step" in state[entry.param]:
+            state[entry.param]["step"] += 1
     if storage.name == "fp32":
         for entry in entries:
             grad = work.grads32.get(entry.index, local_shard(entry.param.grad))
-            local_shard(state[entry.param]["momentum_buffer"]).lerp_(grad, 1 - entry.group["momentum"])
+            elementwise.momentum_update_(local_shard(state[entry.param]["momentum_buffer"]), grad, entry.group["momentum"])
     by_group: dict[tuple, tuple[list[Tensor], list[Tensor]]] = defaultdict(lambda: ([], []))
     for entry, target, update in work.updates:
         targets, updates = by_group[(entry.group_index, target.dtype)]
@@ -81,7 +95,7 @@ def commit(storage, entries, state: dict, param_groups: list[dict], work: StepWo
         updates.append(update)
     for (group_index, _), (targets, updates) in by_group.items():
         group = param_groups[group_index]
-        apply_updates_(targets, updates, float(group["lr"]), group["weight_decay"])  # a device lr: one host read
+        elementwise.decay_and_step_(targets, updates, float(group["lr"]), group["weight_decay"])  # a device lr: one host read
 
 
 def adamw_step_device(p: Tensor, implementation: str) -> torch.device:

@@ -30,17 +30,19 @@ its buffers hold, so nobody waits forever; the error is settled collectively aft
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import hashlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from titan_muon.plan import Piece, Plan, RoundTables, Unit
-from titan_muon.redistribute import Batch, assemble, disassemble, outbound_slots
+from titan_muon.layout import Sharding
+from titan_muon.plan import Piece, Plan, RoundTables, Unit, build_plan, rank_tables, send_counts_by_round
+from titan_muon.redistribute import Batch, ColumnMap, assemble, disassemble, outbound_slots, piece_columns, split_counts
 from titan_muon.timing import phase
-from titan_muon.transport import Exchange, Route, Transport
+from titan_muon.transport import Exchange, Route, Transport, build_route, choose_layout, lane_hierarchy, outbound_lane_group
 
 
 @dataclass
@@ -106,12 +108,15 @@ class ExchangeEngine:
     round use it, the return trip backwards) and the tables are in the lanes' buffer orders."""
 
     def __init__(self, plan: Plan, tables: tuple[RoundTables, ...], outbound: Transport, back: Transport, rounds_in_flight: int,
-                 routes: tuple[Route, ...] | None = None):  # fmt: skip
+                 routes: tuple[Route, ...] | None = None, owners_hold_momentum: bool = False):  # fmt: skip
         self.plan, self.tables = plan, tables
         self.outbound, self.back = outbound, back
         self.routes = routes
         self.rounds_in_flight = rounds_in_flight
         self.device = back.device
+        # Whether the owners keep these matrices' momentum whole (overlap, DeMo): then raw
+        # gradients travel, and checkpoints convert the owners' blocks to the parameters' layout.
+        self.owners_hold_momentum = owners_hold_momentum
         self.bytes_to_owners = 0  # sent by run()'s outbound trips (self excluded), for the step's metrics
 
     @property
@@ -125,6 +130,11 @@ class ExchangeEngine:
     @property
     def units(self) -> tuple[Unit, ...]:
         return self.plan.units
+
+    @property
+    def sharded(self) -> bool:
+        """False for the one-rank exchange of the matrices this rank holds whole."""
+        return self.back.group is not None
 
     def owned_units(self) -> list[int]:
         return [u for tables in self.tables for u in tables.owned]
@@ -151,25 +161,45 @@ class ExchangeEngine:
             failure.record(error, where)
             return torch.empty(numel, dtype=dtype, device=self.device)
 
-    def launch(self, r: int, dtype: torch.dtype, fill: Fill, failure: StepFailure, memory: MemoryAccount) -> Exchange:
+    def counts(self, r: int, column_map: ColumnMap = piece_columns) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Round `r`'s (send, receive) element counts per peer in the outbound sense, for the
+        parameters' own columns or, under `column_map`, a state tensor's (fp8 exponents)."""
+        tables = self.tables[r]
+        if column_map is piece_columns:
+            return tables.send_counts, tables.recv_counts
+        return split_counts(tables.outbound, self.world_size, column_map), split_counts(tables.inbound, self.world_size, column_map)
+
+    def launch(self, r: int, dtype: torch.dtype, fill: Fill, failure: StepFailure, memory: MemoryAccount,
+               column_map: ColumnMap = piece_columns) -> Exchange:  # fmt: skip
         """Pack round `r`'s outbound pieces (``fill`` writes each one) and start the outbound trip.
         After an error the buffer travels as it is: nothing it carries will be used."""
         tables = self.tables[r]
-        send = self.buffer(tables.send_numel, dtype, failure, f"allocating round {r}'s send buffer")
+        send_counts, recv_counts = self.counts(r, column_map)
+        send = self.buffer(sum(send_counts), dtype, failure, f"allocating round {r}'s send buffer")
         if failure.error is None:
             try:
                 with phase("pack"):
-                    for piece, slot in outbound_slots(tables, send):
+                    for piece, slot in outbound_slots(tables, send, column_map):
                         fill(piece, slot)
             except Exception as error:  # noqa: BLE001 - settled on every rank in agree_on_success
                 failure.record(error, f"packing round {r}")
         recv = None
         if self.outbound.group is not None:  # a one-rank exchange receives its own buffer
-            recv = self.buffer(tables.recv_numel * send.element_size(), torch.uint8, failure, f"allocating round {r}'s receive buffer")
-        exchange = self.outbound.all_to_all(send, tables.send_counts, tables.recv_counts, recv=recv, route=self.route(r),
+            recv = self.buffer(sum(recv_counts) * send.element_size(), torch.uint8, failure, f"allocating round {r}'s receive buffer")
+        exchange = self.outbound.all_to_all(send, send_counts, recv_counts, recv=recv, route=self.route(r, send_counts),
                                             allocate=self._relay_buffers(failure, f"allocating round {r}'s relay buffers"))  # fmt: skip
         memory.add(exchange.nbytes)
         return exchange
+
+    def return_trip(self, r: int, back: Tensor, failure: StepFailure, column_map: ColumnMap = piece_columns) -> Exchange:
+        """Start round `r`'s return trip of `back` (laid out like the inbound pieces): each rank
+        receives its outbound pieces' share, in outbound order."""
+        send_counts, recv_counts = self.counts(r, column_map)
+        recv = None
+        if self.back.group is not None:
+            recv = self.buffer(sum(send_counts) * back.element_size(), torch.uint8, failure, f"allocating round {r}'s update buffer")
+        relay = self._relay_buffers(failure, f"allocating round {r}'s return relay buffers")
+        return self.back.all_to_all(back, recv_counts, send_counts, recv=recv, route=self.route(r, send_counts), allocate=relay)
 
     # ------------------------------------------------------------------ the step's round trips
 
@@ -240,12 +270,7 @@ class ExchangeEngine:
             del exchange, received
             if back is None:
                 back = self.buffer(tables.recv_numel, return_dtype, failure, f"allocating round {r}'s return buffer")
-            recv = None
-            if self.back.group is not None:
-                recv = self.buffer(tables.send_numel * back.element_size(), torch.uint8, failure, f"allocating round {r}'s update buffer")
-            relay = self._relay_buffers(failure, f"allocating round {r}'s return relay buffers")
-            returning.append((r, self.back.all_to_all(back, tables.recv_counts, tables.send_counts, recv=recv, route=self.route(r),
-                                                      allocate=relay)))  # fmt: skip
+            returning.append((r, self.return_trip(r, back, failure)))
             memory.add(returning[-1][1].nbytes)
             if len(returning) > self.rounds_in_flight:
                 held.append(self._receive(*returning.pop(0), receive, failure, memory))
@@ -264,3 +289,62 @@ class ExchangeEngine:
             except Exception as error:  # noqa: BLE001 - settled on every rank in agree_on_success
                 failure.record(error, f"receiving round {r}")
         return exchange
+
+
+# ---------------------------------------------------------------------- building the engines
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """What every engine of one optimizer is built with."""
+
+    device: torch.device
+    round_bytes: float  # per-rank bytes of one round's exchange buffers (plan.build_plan)
+    owner_bytes: float  # an owner's bytes per element of an owned matrix (settings.owner_bytes_per_element)
+    rounds_in_flight: int
+    min_rounds: int  # at least this many rounds per rank set (overlap wants several)
+    hierarchical_exchange: bool | str
+    ranks_per_node: int | None
+    owner_momentum: str | None  # None, "sharded" (overlap: the sharded matrices) or "all" (DeMo)
+
+
+def build_engines(units: dict, shardings: Sequence[Sharding], groups: Sequence, unit_flops: Callable[[Unit], int],
+                  settings: EngineSettings) -> list[ExchangeEngine]:  # fmt: skip
+    """One engine per rank set (``groups[i]`` the process group of ``units[i]``), then, if this
+    rank holds some matrices whole (``units[None]``), a one-rank engine for them: no collectives.
+    Plans are checked to be the same on every rank of their set (a collective)."""
+    engines = []
+    for index, group in enumerate(groups):
+        plan = build_plan(units[index], shardings, dist.get_world_size(group), settings.round_bytes, unit_flops,
+                          settings.owner_bytes, min_rounds=settings.min_rounds)  # fmt: skip
+        engines.append(_sharded_engine(group, plan, shardings, settings))
+    if None in units:
+        alone = Transport(None, settings.device)
+        plan = build_plan(units[None], shardings, 1, settings.round_bytes, unit_flops, settings.owner_bytes)
+        engines.append(ExchangeEngine(plan, rank_tables(plan, shardings, 0), alone, alone, settings.rounds_in_flight,
+                                      owners_hold_momentum=settings.owner_momentum == "all"))  # fmt: skip
+    return engines
+
+
+def _sharded_engine(group, plan: Plan, shardings: Sequence[Sharding], settings: EngineSettings) -> ExchangeEngine:
+    """The engine of one rank set: flat lanes, or hierarchical ones (a node and a rail
+    communicator per lane, tables in their buffer orders, each round's route built from the
+    node-mates' send counts, which the plan gives without any exchange)."""
+    device, holds = settings.device, settings.owner_momentum is not None
+    layout = choose_layout(settings.hierarchical_exchange, dist.get_process_group_ranks(group), settings.ranks_per_node)
+    flat = Transport(group, device)
+    digest = hashlib.sha256(repr((plan.fingerprint(), layout)).encode()).digest()
+    flat.check_same_everywhere(int.from_bytes(digest[:8], "little") >> 1, "the Muon ownership plan")  # layout included
+    if layout is None:
+        tables = rank_tables(plan, shardings, flat.rank)
+        outbound = Transport(outbound_lane_group(group), device)
+        return ExchangeEngine(plan, tables, outbound, flat, settings.rounds_in_flight, owners_hold_momentum=holds)
+    tables = rank_tables(plan, shardings, flat.rank, layout.local_major(), layout.node_major())
+    node, _ = layout.place(flat.rank)
+    mates = [send_counts_by_round(plan, shardings, mate) if mate != flat.rank else [t.send_counts for t in tables]
+             for mate in layout.members[node]]  # fmt: skip
+    routes = tuple(build_route(layout, flat.rank, t.send_counts, t.recv_counts, [m[r] for m in mates], device)
+                   for r, t in enumerate(tables))  # fmt: skip
+    outbound = Transport(group, device, lane_hierarchy(group, layout, "outbound"))
+    back = Transport(group, device, lane_hierarchy(group, layout, "return"))
+    return ExchangeEngine(plan, tables, outbound, back, settings.rounds_in_flight, routes, owners_hold_momentum=holds)

@@ -5,15 +5,18 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from titan_muon.overlap import metrics as overlap_metrics
 from titan_muon.timing import StepTimer
 from titan_muon.update import local_shard
 
 
-def step_metrics(work, timer: StepTimer, engines, skipped_steps: int) -> dict[str, float | Tensor]:
+def step_metrics(work, timer: StepTimer, engines, skipped_steps: int, early: list, momentum: list[dict], storage,
+                 replicas=None) -> dict[str, float | Tensor]:  # fmt: skip
     """This rank's figures: times (device events on CUDA, read lazily), Newton–Schulz FLOPs,
     bytes on the wire in both directions (during backward and in ``step()``), peak transient
-    bytes, rounds, skipped steps and the update RMS (a device scalar). Resets the lanes' byte
-    counters, so the next step's backward sends are counted from here."""
+    bytes, rounds, skipped steps, the update RMS (a device scalar), momentum bytes per element
+    (`momentum`: every state dict holding Muon momentum), overlap's and DeMo's figures. Resets
+    the lanes' byte counters, so the next step's backward sends are counted from here."""
     metrics: dict[str, float | Tensor] = {
         "muon/step_time_ms": timer.elapsed_ms("step"),
         "muon/ns_time_ms": timer.elapsed_ms("ns"),
@@ -23,6 +26,9 @@ def step_metrics(work, timer: StepTimer, engines, skipped_steps: int) -> dict[st
         "muon/skipped_steps": float(skipped_steps),
         "muon/peak_transient_bytes": float(work.memory.peak),
         "muon/rounds": float(sum(len(engine.tables) for engine in engines)),
+        "muon/momentum_bytes_per_element": momentum_bytes_per_element(momentum, storage.tensor_keys[0]),
+        **overlap_metrics(early),
+        **(replicas.metrics() if replicas is not None else {}),
     }
     if work.update_sq:
         metrics["muon/update_rms"] = (torch.stack(work.update_sq).sum() / work.update_numel).sqrt()

@@ -21,7 +21,8 @@ NS_WORKSPACE = {torch.float32: 6.0, torch.bfloat16: 3.5}
 
 class Orthogonalizer:
     """Runs batches of equal-shape matrices of one param group (``key = ((rows, cols), group
-    index)``) through Newton–Schulz in ``ns_dtype`` and scales them by their shape's factor."""
+    index)``) through Newton–Schulz in ``ns_dtype`` and scales them by their shape's factor;
+    results stay in ``ns_dtype``."""
 
     def __init__(self, param_groups: Callable[[], list[dict]], ns_dtype: torch.dtype, device: torch.device):
         # a getter: torch's Optimizer.load_state_dict replaces the optimizer's list of groups
@@ -44,7 +45,10 @@ class Orthogonalizer:
             ortho = orthogonalize(matrices, steps, group["ns_coefficients"], self.ns_dtype, group["ns_eps"], algorithm)
         timer.stop("ns")
         work.ns_flops += matrices.shape[0] * newton_schulz_flops(*shape, steps, algorithm)
-        scaled = ortho.float().mul_(update_scale(group["adjust_lr_fn"], *shape))
-        work.update_sq.append(torch.linalg.vector_norm(scaled).square() * group["lr"] ** 2)
+        with phase("scale"):
+            # In the NS dtype, the value the wire carries anyway, into a row-major buffer: NS returns
+            # tall matrices transposed, and the return buffer is cut from them by rows.
+            scaled = torch.mul(ortho, update_scale(group["adjust_lr_fn"], *shape), out=torch.empty_like(ortho, memory_format=torch.contiguous_format))
+            work.update_sq.append(torch.linalg.vector_norm(scaled, dtype=torch.float32).square() * group["lr"] ** 2)
         work.update_numel += scaled.numel()
         return scaled

@@ -19,12 +19,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
 from torch import Tensor
 
-from titan_muon.exchange import ExchangeEngine
+from titan_muon.exchange import ExchangeEngine, MemoryAccount, StepFailure
 from titan_muon.plan import Piece
-from titan_muon.redistribute import inbound_slots, local_piece, outbound_slots, split_counts
+from titan_muon.redistribute import inbound_slots, local_piece, outbound_slots
 
 
 def _column_map(storage, engine: ExchangeEngine, width_of):
@@ -37,51 +36,55 @@ def _column_map(storage, engine: ExchangeEngine, width_of):
 
 
 def blocks_to_shards(storage, params: Sequence, engine: ExchangeEngine, blocks: dict[int, dict[str, Tensor]], states: dict) -> None:
-    """Fill `states[param]` (created by ``storage.create(param)``) from the owners' `blocks`."""
-    world, device = engine.world_size, engine.device
+    """Fill `states[param]` (created by ``storage.create(param)``) from the owners' `blocks`:
+    each round's return trip, carrying state instead of updates."""
+    failure = StepFailure()
     for r, tables in enumerate(engine.tables):
         for key in storage.tensor_keys:
             columns = _column_map(storage, engine, lambda p: _state(states, params, engine, p, key).shape[-1])
             dtype = _state(states, params, engine, None, key).dtype
-            outbound_counts = split_counts(tables.outbound, world, columns)
-            back = torch.empty(sum(split_counts(tables.inbound, world, columns)), dtype=dtype, device=device)
+            back = engine.buffer(sum(engine.counts(r, columns)[1]), dtype, failure, f"allocating round {r}'s {key} blocks")
             for piece, slot in inbound_slots(tables, back, columns):
                 lo, hi = columns(piece)
                 slot.copy_(blocks[piece.unit][key][piece.rows[0] : piece.rows[1], lo:hi])
-            received = engine.back.all_to_all(
-                back, split_counts(tables.inbound, world, columns), outbound_counts, route=engine.route(r, outbound_counts)
-            ).wait()
+            received = engine.return_trip(r, back, failure, columns).wait()
+            _raise(failure)
             for piece, slot in outbound_slots(tables, received, columns):
                 entry = params[engine.units[piece.unit].param]
                 local_piece(entry.stack(states[entry.param][key]), piece).copy_(slot)
 
 
 def shards_to_blocks(storage, params: Sequence, engine: ExchangeEngine, states: dict) -> dict[int, dict[str, Tensor]]:
-    """The owners' blocks, from `states[param]` laid out like the parameters."""
-    world, device = engine.world_size, engine.device
+    """The owners' blocks, from `states[param]` laid out like the parameters: each round's
+    outbound trip, carrying state instead of gradients."""
+    failure = StepFailure()
     blocks: dict[int, dict[str, Tensor]] = {}
     for r, tables in enumerate(engine.tables):
         for u in tables.owned:
             unit = engine.units[u]
-            blocks[u] = storage.create_block(unit.rows, unit.cols, device)
+            blocks[u] = storage.create_block(unit.rows, unit.cols, engine.device)
             for key, value in blocks[u].items():
                 if value.ndim == 0:  # a per-parameter counter: every rank has it
                     blocks[u][key] = states[params[unit.param].param][key].clone()
         for key in storage.tensor_keys:
             columns = _column_map(storage, engine, lambda p: _state(states, params, engine, p, key).shape[-1])
-            dtype = _state(states, params, engine, None, key).dtype
-            send = torch.empty(sum(split_counts(tables.outbound, world, columns)), dtype=dtype, device=device)
-            for piece, slot in outbound_slots(tables, send, columns):
+
+            def fill(piece: Piece, slot: Tensor, key=key) -> None:
                 entry = params[engine.units[piece.unit].param]
                 slot.copy_(local_piece(entry.stack(states[entry.param][key]), piece))
-            outbound_counts = split_counts(tables.outbound, world, columns)
-            received = engine.outbound.all_to_all(
-                send, outbound_counts, split_counts(tables.inbound, world, columns), route=engine.route(r, outbound_counts)
-            ).wait()
+
+            dtype = _state(states, params, engine, None, key).dtype
+            received = engine.launch(r, dtype, fill, failure, MemoryAccount(), columns).wait()
+            _raise(failure)
             for piece, slot in inbound_slots(tables, received, columns):
                 lo, hi = columns(piece)
                 blocks[piece.unit][key][piece.rows[0] : piece.rows[1], lo:hi].copy_(slot)
     return blocks
+
+
+def _raise(failure: StepFailure) -> None:
+    if failure.error is not None:
+        raise RuntimeError(f"titan_muon.Muon: converting owner momentum failed while {failure.where}") from failure.error
 
 
 def _state(states: dict, params: Sequence, engine: ExchangeEngine, piece: Piece | None, key: str) -> Tensor:

@@ -11,7 +11,7 @@ the step's agreements run over the one rank set that contains all the others.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from titan_muon.layout import RankGrid, Sharding, replicated, sharding_of
 from titan_muon.plan import Unit
+from titan_muon.settings import check_muon_param
 from titan_muon.split import RowBlocks, match_row_blocks, row_block_ranges
 from titan_muon.transport import cached_group
 from titan_muon.update import local_shard
@@ -36,11 +37,26 @@ class MuonParam:
     index: int  # position among the Muon parameters: same on every rank and after a resume
     sharding: Sharding | None  # None: this rank holds the whole parameter
     rank_set: int | None = None  # index into the optimizer's rank sets; None when held whole
+    momentum_on_owner: bool = False  # its momentum lives whole on its matrices' owners (overlap, DeMo)
 
     def stack(self, t: Tensor) -> Tensor:
         """This rank's block of `t` (the parameter, its gradient or its state) as (matrices, rows, cols)."""
         local = local_shard(t)
         return local.unsqueeze(0) if local.ndim == 2 else local
+
+
+def collect_muon_params(param_groups: list[dict], name_of: Callable[[int, int], str]) -> list[MuonParam]:
+    """The Muon groups' parameters, in order, after checking every parameter (`name_of(group,
+    index)` names it in errors): Muon's are matrices or stacks of them, AdamW's floating point."""
+    entries: list[MuonParam] = []
+    for gi, group in enumerate(param_groups):
+        for pi, p in enumerate(group["params"]):
+            if group["use_muon"]:
+                check_muon_param(p, name_of(gi, pi), group)
+                entries.append(MuonParam(p, name_of(gi, pi), group, gi, len(entries), None))
+            elif not p.dtype.is_floating_point:
+                raise ValueError(f"titan_muon.Muon: parameter {name_of(gi, pi)!r} has dtype {p.dtype}; floating-point parameters only")
+    return entries
 
 
 @dataclass

@@ -96,9 +96,10 @@ def assemble(
     received: Tensor,
     units: Sequence[Unit],
     key_of: Callable[[int], Hashable],
-    dtype: torch.dtype = torch.float32,
 ) -> list[Batch]:
-    """The whole matrices of the units this rank owns in the round, grouped by `key_of(unit)`.
+    """The whole matrices of the units this rank owns in the round, grouped by `key_of(unit)`,
+    in the dtype they travelled in (Newton–Schulz reads them as they are: a bf16 wire feeds bf16
+    NS without a conversion pass).
 
     `received` is the round's inbound buffer. Units whose pieces all span full rows (FSDP /
     expert sharding) are stacked with one ``torch.cat`` per batch; pieces that cover only some
@@ -116,9 +117,9 @@ def assemble(
         rows, cols = units[members[0]].shape
         ordered = [pv for u in members for pv in sorted(views[u], key=lambda pv: (pv[0].rows[0], pv[0].cols[0]))]
         if all(piece.cols == (0, cols) for piece, _ in ordered):
-            matrices = torch.cat([v for _, v in ordered]).to(dtype).view(len(members), rows, cols)
+            matrices = torch.cat([v for _, v in ordered]).view(len(members), rows, cols)
         else:
-            matrices = torch.empty(len(members), rows, cols, dtype=dtype, device=received.device)
+            matrices = torch.empty(len(members), rows, cols, dtype=received.dtype, device=received.device)
             slot = {u: i for i, u in enumerate(members)}
             for piece, view in ordered:
                 matrices[slot[piece.unit], piece.rows[0] : piece.rows[1], piece.cols[0] : piece.cols[1]] = view

@@ -4,15 +4,25 @@ Only Newton–Schulz needs whole matrices; momentum, Nesterov, weight decay and 
 itself are element-wise, so they run on local blocks with no communication.
 
 A step computes the matrix to orthogonalize from the gradient and the *old* momentum
-(:func:`nesterov_input`) and writes the new momentum only at the commit, once every rank
-has succeeded (:func:`update_momentum_`): both apply the same ``lerp``, so the momentum the
-step used is bit for bit the momentum it stores.
+(:func:`nesterov_input_into`) and writes the new momentum only at the commit, once every rank
+has succeeded (:func:`momentum_update_`): both apply the same ``lerp``, so the momentum the
+step used is the momentum it stores.
+
+These passes are memory-bound, so their cost is the bytes they move. As separate torch ops the
+Nesterov input reads and writes a temporary and then a cast copy (30 bytes per element with a
+bf16 wire), and weight decay and the step are two passes over the weights (18 bytes). Compiled,
+each is one kernel reading its inputs once and writing its output once (10 bytes each) — what
+torch's fused optimizers do, written with torch's compiler instead of CUDA. :class:`Elementwise`
+holds both forms. The eager one is the reference and runs by default off CUDA (compiling costs
+seconds per function on a CPU and gains little there); the compiled one computes the same
+formulas up to fp32 rounding (the compiler may contract a multiply and an add into one fused
+multiply-add). Scalars that change between steps (learning rate, decay) enter as 0-dim device
+tensors, so a schedule never recompiles, and shapes are dynamic, so uneven shards share a kernel.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -41,44 +51,103 @@ def update_scale(adjust_lr_fn: str | None, rows: int, cols: int) -> float:
     raise ValueError(f"unknown adjust_lr_fn {adjust_lr_fn!r}; expected None or one of {ADJUST_LR_FNS}")
 
 
-def nesterov_input(grad: Tensor, momentum: Tensor, beta: float, nesterov: bool, out: Tensor | None = None) -> Tensor:
-    """The matrix to orthogonalize, from the gradient and the momentum M before this step.
-
-    With M' = βM + (1−β)g: Nesterov's g + β(M' − g), else M'. The same two lerps as
-    ``torch.optim.Muon`` (so bf16 Newton–Schulz sees bit-identical inputs), out of place:
-    `momentum` is left unchanged (see :func:`update_momentum_`); `out` may receive the result.
-    """
-    new = torch.lerp(momentum, grad, 1 - beta, out=None if nesterov else out)
-    return torch.lerp(grad, new, beta, out=out) if nesterov else new
+def _into(out: Tensor, value_fn, *args) -> None:
+    """out ← value, computed straight into an fp32 `out` (``out=``) or rounded once into another dtype."""
+    if out.dtype == torch.float32:
+        value_fn(*args, out=out)
+    else:
+        out.copy_(value_fn(*args))
 
 
-def nesterov_input_and_momentum(grad: Tensor, momentum: Tensor, beta: float, nesterov: bool, out: Tensor) -> Tensor:
-    """:func:`nesterov_input` written into `out`, also returning the new momentum M' (a new
-    tensor, bit for bit what :func:`update_momentum_` would make of `momentum`)."""
+def nesterov_input_into(out: Tensor, grad: Tensor, momentum: Tensor, beta: float, nesterov: bool) -> None:
+    """out ← the Nesterov input g + β(lerp(M, g, 1−β) − g) (or lerp(M, g, 1−β) without Nesterov),
+    in out's dtype (the wire's), rounded once; `momentum` is left as it is."""
+    grad = grad.float()
+    if not nesterov:
+        _into(out, torch.lerp, momentum, grad, 1 - beta)
+        return
+    _into(out, torch.lerp, grad, torch.lerp(momentum, grad, 1 - beta), beta)
+
+
+def nesterov_input_and_momentum_into(out: Tensor, grad: Tensor, momentum: Tensor, beta: float, nesterov: bool) -> Tensor:
+    """The same into `out`; returns the new momentum lerp(M, g, 1−β) (a new fp32 tensor)."""
+    grad = grad.float()
     new = torch.lerp(momentum, grad, 1 - beta)
     if nesterov:
-        torch.lerp(grad, new, beta, out=out)
+        _into(out, torch.lerp, grad, new, beta)
     else:
         out.copy_(new)
     return new
 
 
-def update_momentum_(momentum: Tensor, grad: Tensor, beta: float) -> Tensor:
-    """In place: M ← βM + (1−β)g, the same operation :func:`nesterov_input` applied."""
-    return momentum.lerp_(grad, 1 - beta)
+def momentum_update_(momentum: Tensor, grad: Tensor, beta: float) -> None:
+    """In place: M ← lerp(M, g, 1 − β), the lerp the Nesterov input used."""
+    momentum.lerp_(grad.float(), 1 - beta)
 
 
-def apply_updates_(params: Sequence[Tensor], updates: Sequence[Tensor], lr: float, weight_decay: float) -> None:
-    """Decoupled weight decay, then the step, for many blocks at once: W ← (1 − lr·wd)·W − lr·U.
+def decay_and_step_(param: Tensor, update: Tensor, decay: Tensor, lr: Tensor) -> None:
+    """In place, one pass: W ← decay·W − lr·U, in fp32."""
+    param.copy_(param.float() * decay - update.float() * lr)
 
-    In place, allocating nothing (the commit must not fail half-way). The decay factor is a
-    0-dim fp32 tensor on the parameters' device: a Python float would be rounded to the
-    parameters' dtype by the foreach kernels (bf16: 1 − 0.002 becomes 0.99609375, more than
-    twice the decay), while a tensor factor is applied in fp32 like ``param.mul_(float)``.
-    """
-    if not params:
-        return
-    if lr * weight_decay != 0:
-        factor = torch.full((), 1 - lr * weight_decay, dtype=torch.float32, device=params[0].device)
-        torch._foreach_mul_(list(params), factor)
-    torch._foreach_add_(list(params), list(updates), alpha=-lr)  # mixed dtypes: no converted copy of the updates
+
+def _marked_as_one_kernel(fn):
+    """`fn` run eagerly inside a ``titan_muon/fused:<bytes>`` profiler range, <bytes> being what the
+    one kernel it compiles to moves: each tensor argument once, and once more the first where `fn`
+    updates it in place (a name ending in ``_``) or the fp32 momentum it returns. On ``meta``
+    there is no compiler: this is how a trace of the step (scripts/step_trace.py) sees the
+    passes a GPU runs."""
+
+    def size(t) -> int:
+        return t.numel() * t.element_size() if isinstance(t, Tensor) else 0
+
+    def marked(*args):
+        moved = sum(size(a) for a in args)
+        if fn.__name__.endswith("_"):
+            moved += size(args[0])
+        elif fn is nesterov_input_and_momentum_into:
+            moved += args[2].numel() * 4
+        with torch.profiler.record_function(f"titan_muon/fused:{moved}"):
+            return fn(*args)
+
+    return marked
+
+
+class Elementwise:
+    """The passes, compiled (``compiled=True``) or eager; compiled on ``meta``: eager, marked as
+    the single kernels they compile to."""
+
+    def __init__(self, compiled: bool, device_type: str = "cuda"):
+        self.compiled = compiled
+        if not compiled:
+            wrap = lambda fn: fn  # noqa: E731
+        elif device_type == "meta":
+            wrap = _marked_as_one_kernel
+        else:
+            wrap = lambda fn: torch.compile(fn, dynamic=True, fullgraph=True)  # noqa: E731
+        self.nesterov_input_into = wrap(nesterov_input_into)
+        self.nesterov_input_and_momentum_into = wrap(nesterov_input_and_momentum_into)
+        self.momentum_update_ = wrap(momentum_update_)
+        self._decay_and_step_ = wrap(decay_and_step_)
+
+    def decay_and_step_(self, params: list[Tensor], updates: list[Tensor], lr: float, weight_decay: float) -> None:
+        """W ← (1 − lr·wd)·W − lr·U for many blocks: the eager form is torch's foreach kernels (two
+        passes, no temporaries), the compiled one a single pass per block."""
+        if not params:
+            return
+        device = params[0].device
+        # A 0-dim fp32 factor: a Python float would be rounded to a bf16 parameter's dtype by the
+        # foreach kernels (1 − 0.002 becomes 0.99609375, more than twice the decay).
+        factor = torch.full((), 1 - lr * weight_decay, dtype=torch.float32, device=device)
+        if not self.compiled:
+            if lr * weight_decay != 0:
+                torch._foreach_mul_(params, factor)
+            torch._foreach_add_(params, updates, alpha=-lr)  # mixed dtypes: no converted copy of the updates
+            return
+        step = torch.full((), lr, dtype=torch.float32, device=device)
+        for param, update in zip(params, updates):
+            self._decay_and_step_(param, update, factor, step)
+
+
+def elementwise_for(setting: bool | None, device: torch.device) -> Elementwise:
+    """``compile_elementwise``: None compiles on CUDA only; True / False force it."""
+    return Elementwise(device.type == "cuda" if setting is None else bool(setting), device.type)
