@@ -16,8 +16,10 @@ def max_rel(a, b):
 
 
 @pytest.mark.parametrize("nesterov", [True, False])
-@pytest.mark.parametrize("adjust_lr_fn", [None, "original", "match_rms_adamw"])
+@pytest.mark.parametrize("adjust_lr_fn", [None, "original", "match_rms_adamw", "spectral_unclamped"])
 def test_matches_fp32_reference(nesterov, adjust_lr_fn):
+    """The reference computes each adjust_lr_fn from its formula; "spectral_unclamped" (√(A/B))
+    differs from "original" (√max(1, A/B)) on the wide matrices a (30 × 64) and c (3 × 256)."""
     params = make_params()
     muon_names = {"a", "b", "c", "d"}
     kwargs = dict(lr=0.02, weight_decay=0.1, momentum=0.9, nesterov=nesterov, adjust_lr_fn=adjust_lr_fn)

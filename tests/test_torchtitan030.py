@@ -137,6 +137,17 @@ def test_one_override_switches_a_stock_recipe_to_muon():
     assert (config.optimizer.beta1, config.optimizer.beta2, config.optimizer.eps) == (0.9, 0.95, 1e-8)
 
 
+@pytest.mark.parametrize("adjust_lr_fn", ["original", "match_rms_adamw", "spectral_unclamped"])
+def test_every_adjust_lr_fn_of_distmuon_is_accepted(adjust_lr_fn):
+    """torchtitan 0.3.0's DistMuon takes these three; so does the 0.3.0 container's config."""
+    from titan_muon.torchtitan.v030.optimizer import check_config
+
+    config = MuonOptimizersContainer.Config(adjust_lr_fn=adjust_lr_fn)
+    check_config(config)
+    argv = ["--job.config_file", MUON, "--optimizer.adjust_lr_fn", adjust_lr_fn]
+    assert parse(argv).optimizer.adjust_lr_fn == adjust_lr_fn
+
+
 @pytest.mark.parametrize("name", ["llama3_gqa_muon", "llama3_gqa_adamw", "mla_muon", "moe_mla_muon"])
 def test_every_shipped_toml_builds_a_030_config(name):
     config = parse(["--job.config_file", f"train_configs/{name}.toml"])
