@@ -177,6 +177,8 @@ def test_non_matrix_in_muon_group_is_named():
         ({"params": [("x", nn.Parameter(torch.randn(8, 8)))], "eps": 1e-6, "ns_eps": 1e-5}, "'eps'=1e-06 and 'ns_eps'=1e-05"),
         ({"params": [("x", nn.Parameter(torch.randn(4, 8, 8)))]}, "matrix_stacks=True"),
         ({"params": [("x", torch.zeros(8, dtype=torch.int64))], "use_muon": False}, "floating-point"),
+        # refused by the re-planning itself, which then plans the layout without it again
+        ({"params": [("x", nn.Parameter(torch.randn(8, 8, device="meta")))]}, "several devices"),
     ],
 )
 def test_a_refused_param_group_leaves_nothing_behind(group, match):
