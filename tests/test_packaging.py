@@ -187,6 +187,19 @@ def test_torchtitan_versions_the_adapter_accepts():
             check_torchtitan_version(version)
 
 
+def test_pyproject_says_which_torchtitan_versions_train():
+    """The comment over the torchtitan extra tells what check_torchtitan_version does: every
+    minor version it accepts trains (test_torchtitan_versions_the_adapter_accepts), the others
+    are refused at import. It once said 0.3.x was refused while 0.3.0 trained."""
+    from titan_muon.torchtitan import SUPPORTED
+
+    text = (REPO / "pyproject.toml").read_text()
+    comment = " ".join(line.lstrip("# ") for line in text.split("torchtitan = [")[0].splitlines()[-6:] if line.startswith("#"))
+    for major, minor in SUPPORTED:
+        assert f"{major}.{minor}." in comment, f"pyproject.toml's torchtitan comment should name {major}.{minor}"
+    assert "Both minor versions train" in comment and "Any other version is refused at import" in comment
+
+
 def test_titan_muon_train_is_an_alias_of_the_launcher():
     import titan_muon.torchtitan.train
     import titan_muon.train

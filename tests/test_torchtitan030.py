@@ -137,6 +137,36 @@ def test_one_override_switches_a_stock_recipe_to_muon():
     assert (config.optimizer.beta1, config.optimizer.beta2, config.optimizer.eps) == (0.9, 0.95, 1e-8)
 
 
+def test_the_recipes_adamw_weight_decay_stays_adamws():
+    """The override carries the recipe's AdamW settings to Muon's AdamW groups only: its weight
+    decay (0.05 here, not the Muon default 0.1, so the two can be told apart) becomes
+    adamw_weight_decay, and Muon's weight decay stays its own (the default, or the override's)."""
+    from torchtitan.components.optimizer import OptimizersContainer
+    from torchtitan.components.optimizer.optimizer import ParamGroupConfig
+
+    from titan_muon.torchtitan.muon import muon_kwargs, param_group_kwargs
+    from titan_muon.torchtitan.v030.optimizer import muon
+
+    adamw = {"lr": 8e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.05}
+    recipe = OptimizersContainer.Config(param_groups=[ParamGroupConfig(pattern=".*", optimizer_name="AdamW", optimizer_kwargs=adamw)])
+    replaced = muon(recipe)
+    assert (param_group_kwargs(replaced)["adamw_weight_decay"], param_group_kwargs(replaced)["adamw_lr"]) == (0.05, 8e-4)
+    assert muon_kwargs(replaced)["weight_decay"] == MuonOptimizersContainer.Config().weight_decay == 0.1
+    assert muon_kwargs(muon(recipe, weight_decay=0.2))["weight_decay"] == 0.2
+    assert param_group_kwargs(muon(recipe, adamw_weight_decay=0.3))["adamw_weight_decay"] == 0.3  # the override's wins
+
+
+@pytest.mark.parametrize("adjust_lr_fn", ["original", "match_rms_adamw", "spectral_unclamped"])
+def test_every_adjust_lr_fn_of_distmuon_is_accepted(adjust_lr_fn):
+    """torchtitan 0.3.0's DistMuon takes these three; so does the 0.3.0 container's config."""
+    from titan_muon.torchtitan.v030.optimizer import check_config
+
+    config = MuonOptimizersContainer.Config(adjust_lr_fn=adjust_lr_fn)
+    check_config(config)
+    argv = ["--job.config_file", MUON, "--optimizer.adjust_lr_fn", adjust_lr_fn]
+    assert parse(argv).optimizer.adjust_lr_fn == adjust_lr_fn
+
+
 @pytest.mark.parametrize("name", ["llama3_gqa_muon", "llama3_gqa_adamw", "mla_muon", "moe_mla_muon"])
 def test_every_shipped_toml_builds_a_030_config(name):
     config = parse(["--job.config_file", f"train_configs/{name}.toml"])

@@ -237,3 +237,17 @@ def test_incomplete_newest_checkpoint_is_skipped_but_named(tmp_path):
     assert checkpoint_to_resume(str(tmp_path), load_step=-1) == (20, str(tmp_path / "step-20"))
     assert interrupted_saves(str(tmp_path), resume_step=20) == []
     assert checkpoint_to_resume(str(tmp_path / "absent"), load_step=-1) is None
+
+
+@pytest.mark.parametrize("adjust_lr_fn", ["original", "match_rms_adamw", "spectral_unclamped"])
+def test_every_adjust_lr_fn_is_accepted_from_toml_and_cli_and_reaches_muon(tmp_path, adjust_lr_fn):
+    from titan_muon import Muon
+    from titan_muon.torchtitan.optimizer import muon_kwargs
+
+    toml = tmp_path / "adjust.toml"
+    toml.write_text(Path(MUON_TOML).read_text().replace('adjust_lr_fn = "original"', f'adjust_lr_fn = "{adjust_lr_fn}"'))
+    for config in (parse(toml=str(toml)).optimizer, parse("--optimizer.adjust_lr_fn", adjust_lr_fn).optimizer):
+        validate_optimizer_config(config)
+        assert muon_kwargs(config)["adjust_lr_fn"] == adjust_lr_fn
+    opt = Muon([torch.nn.Parameter(torch.randn(4, 8))], adjust_lr_fn=adjust_lr_fn)
+    assert opt.param_groups[0]["adjust_lr_fn"] == adjust_lr_fn

@@ -88,6 +88,8 @@ def load_state_dict(opt, state_dict: dict, torch_load) -> None:
         for key, value in opt.defaults.items():  # checkpoints written before a setting existed
             if key in GROUP_KEYS:
                 group.setdefault(key, value)
+        if group["use_muon"]:  # a Muon group's "eps" is its ns_eps (before wave 4 it held AdamW's, unused)
+            group["eps"] = group["ns_eps"]
         for p in group["params"]:
             loaded = opt.state.get(p)
             if isinstance(loaded, _PassedThrough):

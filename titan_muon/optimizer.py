@@ -59,10 +59,14 @@ class Muon(Optimizer):
     with their own ``betas``, ``eps`` and ``weight_decay``. :func:`titan_muon.build_param_groups`
     splits a model the usual way.
 
-    Args follow ``torch.optim.Muon`` (lr, weight_decay, momentum, nesterov, ns_steps,
-    adjust_lr_fn), plus (README.md lists them all, docs/ explains them):
+    The positional args are ``torch.optim.Muon``'s, in its order and with its meanings (lr,
+    weight_decay, momentum, nesterov, ns_coefficients, eps, ns_steps, adjust_lr_fn): ``eps`` is
+    Newton–Schulz's epsilon, also called ``ns_eps`` (giving both with different values is refused).
+    In a param group ``eps`` is that group's algorithm's epsilon: Newton–Schulz's in a Muon group
+    (kept equal to its ``ns_eps``), AdamW's in an AdamW group, whose default is ``adamw_eps``.
+    Further (README.md lists them all, docs/ explains them):
         ns_coefficients ("keller", "polar_express" or (a, b, c)), ns_algorithm ("auto",
-            "standard", "gram"), ns_eps, ns_dtype ("auto": bf16 on CUDA, fp32 elsewhere);
+            "standard", "gram"), ns_dtype ("auto": bf16 on CUDA, fp32 elsewhere);
         comm_dtype: "auto" (the NS dtype), "fp32" or "bf16": matrices and updates on the wire;
         adamw_betas, adamw_eps, adamw_implementation ("fused", "foreach", "for-loop");
         exchange_memory_mb: per-GPU MiB for the exchange buffers of the rounds in flight
@@ -90,12 +94,13 @@ class Muon(Optimizer):
         weight_decay: float = 0.1,
         momentum: float = 0.95,
         nesterov: bool = True,
+        ns_coefficients: str | tuple[float, float, float] = "keller",
+        eps: float | None = None,
         ns_steps: int = 5,
         adjust_lr_fn: str | None = None,
         *,
-        ns_coefficients: str | tuple[float, float, float] = "keller",
         ns_algorithm: str = "auto",
-        ns_eps: float = 1e-7,
+        ns_eps: float | None = None,
         ns_dtype: str = "auto",
         comm_dtype: str = "auto",
         adamw_betas: tuple[float, float] = (0.9, 0.95),
@@ -119,6 +124,7 @@ class Muon(Optimizer):
         ranks_per_node: int | None = None,
         compile_elementwise: bool | None = None,
     ):
+        ns_eps = settings.newton_schulz_eps(eps, ns_eps)
         settings.check_options(ns_dtype, comm_dtype, nonfinite_grads, adamw_implementation)
         settings.check_hierarchy(hierarchical_exchange, ranks_per_node)
         self.demo = demo_settings(demo, demo_chunk, demo_topk, demo_alpha, replicate_group, momentum_dtype=momentum_dtype, overlap=overlap)
@@ -151,11 +157,26 @@ class Muon(Optimizer):
     # ------------------------------------------------------------------ setup
 
     def add_param_group(self, param_group: dict) -> None:
+        """torch's add_param_group, then this group's checks; a refused group is taken out again
+        (a group added after construction plans the layout again, collectively)."""
         given = dict(param_group)
         super().add_param_group(param_group)
-        settings.validate_group(self.param_groups[-1], len(self.param_groups) - 1, given, self.defaults["eps"])
-        if self._layout_ready:  # a group added after construction: plan again (collectively)
-            self._build_layout()
+        group, index = self.param_groups[-1], len(self.param_groups) - 1
+        try:
+            settings.settle_eps(group, index, given, self.defaults["eps"])
+            settings.validate_group(group, index)
+            if self._layout_ready:
+                settings.check_group_params(group, index, self.param_name)
+        except Exception:
+            self.param_groups.pop()
+            raise
+        if self._layout_ready:
+            try:
+                self._build_layout()
+            except Exception:
+                self.param_groups.pop()
+                self._build_layout()  # the layout without it, as before the call
+                raise
 
     def set_pipeline_group(self, pipeline_group) -> None:
         """Join this rank's pipeline after construction (the ``pipeline_group`` argument, given
@@ -325,14 +346,16 @@ class Muon(Optimizer):
     # ------------------------------------------------------------ checkpoints
 
     hierarchical_exchange: bool | str = "auto"  # for copies of optimizers pickled before the option existed
+    last_step_skipped: bool = False
     ranks_per_node: int | None = None
     compile_elementwise: bool | None = None
     _CARRIED = ("exchange_memory_mb", "rounds_in_flight", "ns_dtype_setting", "comm_dtype_setting", "nonfinite_grads",
                 "row_blocks", "overlap", "adamw_implementation", "storage", "skipped_steps", "owner_blocks", "pipeline_group",
-                "demo", "replicate_group", "hierarchical_exchange", "ranks_per_node", "compile_elementwise")  # fmt: skip
+                "demo", "replicate_group", "hierarchical_exchange", "ranks_per_node", "last_step_skipped",
+                "compile_elementwise")  # fmt: skip
 
     def __getstate__(self) -> dict:
-        return {**super().__getstate__(), **{key: self.__dict__[key] for key in self._CARRIED}}
+        return {**super().__getstate__(), **{key: getattr(self, key) for key in self._CARRIED}}
 
     def __setstate__(self, state: dict) -> None:
         """A copy (``copy.deepcopy``) plans its layout again: a collective, like construction."""

@@ -19,6 +19,7 @@ NONFINITE_POLICIES = ("raise", "skip")
 ADAMW_IMPLEMENTATIONS = ("fused", "foreach", "for-loop")  # the names of TorchTitan's optimizer.implementation
 # Per-rank MiB for the exchange buffers of the rounds in flight (plan.py, exchange.py).
 DEFAULT_EXCHANGE_MEMORY_MB = 8192.0
+DEFAULT_NS_EPS = 1e-7  # torch.optim.Muon's
 # What one element of a matrix costs its owner during a round, in bytes per byte of the wire
 # dtype plus fixed fp32 parts: received pieces and the return buffer (2 × wire), the assembled
 # fp32 matrix and its scaled fp32 result (8), Newton–Schulz input, iterate and polynomial in the
@@ -114,18 +115,48 @@ def check_lr(group: dict, index: int) -> None:
         raise ValueError(f"titan_muon.Muon: param group {index}: lr must be a number or a one-element tensor, got {lr!r}")
 
 
-def validate_group(group: dict, index: int, given: dict | None = None, adamw_eps: float | None = None) -> None:
-    """Checks of a param group's settings; `given` is the group as the caller passed it (torch
-    fills the defaults into that dict, so a group reused for another optimizer carries them)."""
+def _is_eps(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0
+
+
+def newton_schulz_eps(eps: float | None, ns_eps: float | None) -> float:
+    """Newton–Schulz's epsilon from the constructor's two names for it: ``eps`` (torch.optim.Muon's)
+    and ``ns_eps``; 1e-7 (torch's default) when neither is given."""
+    if eps is not None and ns_eps is not None and eps != ns_eps:
+        raise ValueError(
+            f"titan_muon.Muon: eps={eps!r} and ns_eps={ns_eps!r} disagree: both are Newton-Schulz's epsilon (eps is "
+            "torch.optim.Muon's name for it); give one. AdamW groups' epsilon is adamw_eps."
+        )
+    value = DEFAULT_NS_EPS if eps is None and ns_eps is None else (ns_eps if ns_eps is not None else eps)
+    if not _is_eps(value):
+        raise ValueError(f"titan_muon.Muon: ns_eps must be a number >= 0 (eps, torch.optim.Muon's name for it), got {value!r}")
+    return float(value)
+
+
+def settle_eps(group: dict, index: int, given: dict, adamw_eps: float) -> None:
+    """A group's epsilons as torch's names mean them. Muon group: 'eps' and 'ns_eps' both name
+    Newton–Schulz's epsilon (torch.optim.Muon's group key is 'eps'), so either sets both, and
+    different values are refused; AdamW group: 'eps' is AdamW's, ``adamw_eps`` unless given.
+    `given` is the group as the caller passed it, before torch filled in the defaults."""
+    if not group["use_muon"]:
+        group["eps"] = given.get("eps", adamw_eps)
+        return
+    eps, ns_eps = given.get("eps"), given.get("ns_eps")
+    if eps is not None and ns_eps is not None and eps != ns_eps:
+        raise ValueError(
+            f"titan_muon.Muon: param group {index}: 'eps'={eps!r} and 'ns_eps'={ns_eps!r} disagree: in a Muon group both "
+            "are Newton-Schulz's epsilon ('eps' is torch.optim.Muon's name for it); give one"
+        )
+    group["ns_eps"] = ns_eps if ns_eps is not None else eps if eps is not None else group["ns_eps"]
+    group["eps"] = group["ns_eps"]
+
+
+def validate_group(group: dict, index: int) -> None:
+    """Checks of a param group's settings (after :func:`settle_eps`)."""
     where = f"titan_muon.Muon: param group {index}"
     check_lr(group, index)
     if not float(group["lr"]) >= 0:
         raise ValueError(f"{where}: lr must be >= 0, got {group['lr']}")
-    if group["use_muon"] and given is not None and given.get("eps", adamw_eps) != adamw_eps:
-        raise ValueError(
-            f"{where}: 'eps' is AdamW's epsilon and does nothing in a Muon group; Newton-Schulz's epsilon "
-            "(torch.optim.Muon's eps) is 'ns_eps'"
-        )
     if not group["weight_decay"] >= 0:
         raise ValueError(f"{where}: weight_decay must be >= 0, got {group['weight_decay']}")
     if group["use_muon"]:
@@ -143,6 +174,8 @@ def validate_group(group: dict, index: int, given: dict | None = None, adamw_eps
             coefficient_schedule(coefficients, 1)
         if group["ns_algorithm"] not in NS_ALGORITHMS:
             raise ValueError(f"{where}: ns_algorithm={group['ns_algorithm']!r}; expected one of {NS_ALGORITHMS}")
+        if not _is_eps(group["ns_eps"]):
+            raise ValueError(f"{where}: ns_eps ('eps' in a Muon group) must be a number >= 0, got {group['ns_eps']!r}")
     else:
         beta1, beta2 = group["betas"]
         if not (0 <= beta1 < 1 and 0 <= beta2 < 1):
@@ -168,6 +201,16 @@ def check_muon_param(p: torch.Tensor, name: str, group: dict) -> None:
             "use_muon=False (titan_muon.build_param_groups does this for embeddings, the output head, "
             "norms and biases)."
         )
+
+
+def check_group_params(group: dict, index: int, name_of) -> None:
+    """The checks planning makes of a group's parameters, for a group added after construction,
+    before the layout changes; `name_of(group_index, index)` names a parameter."""
+    for pi, p in enumerate(group["params"]):
+        if group["use_muon"]:
+            check_muon_param(p, name_of(index, pi), group)
+        elif not p.dtype.is_floating_point:
+            raise ValueError(f"titan_muon.Muon: parameter {name_of(index, pi)!r} has dtype {p.dtype}; floating-point parameters only")
 
 
 def common_device(params: list[torch.Tensor]) -> torch.device:

@@ -39,9 +39,10 @@ class Optimizer:
     accuracy that bf16 NS has not already given up; fp32 keeps W ranks bit-close to one process)."""
     momentum_dtype: Literal["fp32", "bf16", "fp8"] = "fp32"
     """How Muon momentum is stored: "bf16" halves it, "fp8" (row-scaled) quarters it."""
-    adjust_lr_fn: Literal["original", "match_rms_adamw"] = "original"
+    adjust_lr_fn: Literal["original", "match_rms_adamw", "spectral_unclamped"] = "original"
     """"original": scale by sqrt(max(1, rows/cols)); "match_rms_adamw": 0.2*sqrt(max(rows, cols)),
-    which lets Muon reuse an AdamW learning rate."""
+    which lets Muon reuse an AdamW learning rate; "spectral_unclamped": sqrt(rows/cols), below 1
+    for wide matrices (torchtitan 0.3.0 DistMuon's)."""
     exchange_memory_mb: float | None = None
     """Per-GPU MiB for the exchange buffers of the rounds in flight (pieces, whole matrices on
     their owners, Newton-Schulz workspace, return buffers); unset: 8192. A round always holds

@@ -22,7 +22,8 @@ Any stock recipe switches to it with one flag::
     --override.imports 'titan_muon.torchtitan.v030.optimizer.muon={"lr": 0.02, "ns_steps": 5}'
 
 :func:`muon` takes the recipe's catch-all AdamW settings (lr, betas, eps, weight decay) for
-Muon's AdamW groups; Muon's own lr is the Config default (0.02) unless given.
+Muon's AdamW groups only (``adamw_lr``, ``beta1``/``beta2``, ``eps``, ``adamw_weight_decay``);
+Muon's own lr and weight decay are the Config defaults (0.02, 0.1) unless given.
 
 With ``qk_clip = true`` it runs MuonClip after every step exactly as the 0.2.2 container does
 (the same :class:`titan_muon.torchtitan.qk_clip.QKClipAfterStep`): max logits recorded by hooks on
@@ -185,7 +186,9 @@ def check_config(config: MuonOptimizersContainer.Config) -> None:
         raise ValueError("optimizer.optimizer_factory_kwargs_by_name has no meaning for titan_muon's Muon")
 
 
-_STOCK_KEYS = {"lr": "adamw_lr", "eps": "eps", "weight_decay": "weight_decay"}
+# The recipe's AdamW settings go to Muon's AdamW groups only: Config.eps, beta1 and beta2 are the
+# AdamW groups' already; lr and weight_decay are Muon's own, so AdamW's go to adamw_lr / adamw_weight_decay.
+_STOCK_KEYS = {"lr": "adamw_lr", "eps": "eps", "weight_decay": "adamw_weight_decay"}
 
 
 def stock_adamw_settings(config: OptimizersContainer.Config) -> dict[str, Any]:
