@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.nn.attention.flex_attention import AuxOutput, AuxRequest
 
-from titan_muon.fused_qkv import fused_qkv_layout, projection_owner
+from titan_muon.attention_layers import AttentionLayer, describe_attention, find_attention_layers
 from titan_muon.layout import local_block
 
 CPU_BLOCK_BYTES = 4 << 20
@@ -236,36 +236,23 @@ def _rows_placement(placement, dim: int):
     return Shard(0) if isinstance(placement, Shard) and placement.dim == dim else Replicate()
 
 
-def query_projection(attention: nn.Module) -> nn.Linear:
-    """The linear layer whose output rows are the query heads, and only them.
-
-    MLA: ``wq`` (``wq_b`` with a q LoRA); GQA: ``wq`` (torchtitan 0.3.0: ``qkv_linear.wq``).
-    torchtitan 0.3.0's fused ``qkv_linear.wqkv`` has no such layer: its query rows are
-    interleaved with key and value rows (:mod:`titan_muon.fused_qkv` knows where they are).
-    """
-    if getattr(attention, "q_lora_rank", 0):
-        return attention.wq_b
-    if fused_qkv_layout(attention) is not None:
-        raise ValueError(
-            f"{type(attention).__name__} fuses q, k and v into qkv_linear.wqkv, whose query rows are interleaved "
-            "with key and value rows per KV group: use titan_muon.fused_qkv.fused_qkv_layout for their positions"
-        )
-    return projection_owner(attention).wq
+def as_attention_layer(attention: nn.Module | AttentionLayer) -> AttentionLayer:
+    return attention if isinstance(attention, AttentionLayer) else describe_attention(attention)
 
 
-def query_row_units(attention: nn.Module) -> tuple[Tensor, int, int]:
+def query_row_units(attention: nn.Module | AttentionLayer) -> tuple[Tensor, int, int]:
     """``(weight, rows per unit, query heads per unit)``: the weight whose rows say which query
     heads a rank computes, cut into units of whole heads. A unit is one query head of the query
     projection, or for torchtitan 0.3.0's fused ``qkv_linear.wqkv`` one KV group (its query heads,
     its key head and its value head: tensor parallel shards wqkv by whole groups)."""
-    layout = fused_qkv_layout(attention)
-    if layout is not None:
-        return projection_owner(attention).wqkv.weight, layout.rows // layout.n_kv_heads, layout.heads_per_kv
-    weight = query_projection(attention).weight
-    return weight, weight.shape[0] // int(attention.n_heads), 1
+    layer = as_attention_layer(attention)
+    weight = layer.query_projection.weight
+    if layer.kind == "fused_wqkv":
+        return weight, layer.fused_layout.rows // layer.n_kv_heads, layer.heads_per_kv
+    return weight, weight.shape[0] // layer.n_heads, 1
 
 
-def first_local_head(attention: nn.Module, local_heads: int) -> int:
+def first_local_head(attention: nn.Module | AttentionLayer, local_heads: int) -> int:
     """Global index of the first query head this rank computes (tensor parallel: not 0).
 
     Read from the global rows of the query projection's (or fused wqkv's) weight as it is
@@ -356,8 +343,9 @@ def fused_kernel_class(inner_attention: nn.Module) -> type | None:
 class MaxLogitRecorder:
     """Running max pre-softmax logit per (layer, query head), fed by forward pre-hooks.
 
-    ``layers`` are attention modules with an ``inner_attention`` child and an ``n_heads``
-    attribute (torchtitan's llama3/llama4/qwen3 GQA and deepseek_v3 MLA attention).
+    ``layers`` are attention modules (with an ``inner_attention`` child: torchtitan's llama3,
+    llama4, qwen3 GQA and deepseek_v3 MLA attention) or their :class:`AttentionLayer` descriptions
+    (:func:`titan_muon.attention_layers.find_attention_layers`).
     ``max_logits`` is a (layers, max heads) fp32 tensor on the layers' parameter device,
     -inf where nothing was recorded. Nothing here reads a tensor on the host.
 
@@ -367,11 +355,13 @@ class MaxLogitRecorder:
     layer's attention is FlexAttention (it raises otherwise); False: never.
     """
 
-    def __init__(self, layers: list[nn.Module], block_bytes: int | None = None, fused: bool | None = None):
+    def __init__(self, layers: Sequence[nn.Module | AttentionLayer], block_bytes: int | None = None, fused: bool | None = None):
         if not layers:
             raise ValueError("MaxLogitRecorder: no attention layers to record")
-        self.layers = layers
-        self.heads = [int(layer.n_heads) for layer in layers]
+        self.attention_layers = [as_attention_layer(layer) for layer in layers]
+        self.layers = [layer.module for layer in self.attention_layers]
+        layers = self.layers
+        self.heads = [layer.n_heads for layer in self.attention_layers]
         self.block_bytes = block_bytes
         self.fused = fused
         self.max_logits = torch.full((len(layers), max(self.heads)), -math.inf, device=parameter_device(layers[0]))
@@ -392,9 +382,7 @@ class MaxLogitRecorder:
 
     @classmethod
     def attach(cls, model: nn.Module, block_bytes: int | None = None, fused: bool | None = None) -> MaxLogitRecorder:
-        from titan_muon.clip import find_attention_layers
-
-        return cls([layer.module for layer in find_attention_layers(model)], block_bytes, fused)
+        return cls(find_attention_layers(model), block_bytes, fused)
 
     @staticmethod
     def _check_supported(layer: nn.Module) -> None:
@@ -421,8 +409,8 @@ class MaxLogitRecorder:
         return tap
 
     def _hooks_for(self, index: int, tap: FlexKernelTap | None):
-        attention = self.layers[index]
-        layout = input_layout(attention.inner_attention)
+        attention = self.attention_layers[index]
+        layout = input_layout(attention.module.inner_attention)
         pending = []  # the inputs of a fused call, until the kernel has answered
 
         def inputs(args, kwargs) -> tuple[Tensor, Tensor, int]:
