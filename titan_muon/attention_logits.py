@@ -54,13 +54,14 @@ def block_budget(q: Tensor, k: Tensor, block_bytes: int | None = None) -> int:
     return min(cap, q.numel() * q.element_size() + k.numel() * k.element_size())
 
 
-def block_rows(q: Tensor, k: Tensor, block_bytes: int | None = None, *, masked: bool = False) -> int:
+def block_rows(q: Tensor, k: Tensor, block_bytes: int | None = None, *, masked: bool = False, positional: bool = False) -> int:
     """Query rows per block: one block materializes (KV heads, rows, keys) logits, plus with a
-    ``mask_mod`` (``masked``) two bool grids of that shape; at least one row. Under the causal
-    mask the (rows, rows) bool diagonal mask is kept to at most 1/16 of the budget."""
+    ``mask_mod`` (``masked``) two bool grids of that shape, or with causal positions
+    (``positional``, context parallel) one (rows, keys) bool grid; at least one row. Under the
+    causal mask the (rows, rows) bool diagonal mask is kept to at most 1/16 of the budget."""
     budget = block_budget(q, k, block_bytes)
     kv_heads, q_len, kv_len = k.shape[1], q.shape[2], k.shape[2]
-    per_row = kv_heads * max(1, kv_len) * (q.element_size() + (2 if masked else 0))
+    per_row = kv_heads * max(1, kv_len) * (q.element_size() + (2 if masked else 0)) + (max(1, kv_len) if positional else 0)
     rows = min(q_len, budget // per_row, math.isqrt(budget // 16))
     return max(1, rows)
 
@@ -84,6 +85,8 @@ def block_max_logits(
     is_causal: bool = True,
     mask_mod=None,
     block_bytes: int | None = None,
+    query_positions: Tensor | None = None,
+    key_positions: Tensor | None = None,
 ) -> Tensor:
     """Max over batch, queries and unmasked keys of ``scale * q·k`` for every query head, in fp32.
 
@@ -91,6 +94,10 @@ def block_max_logits(
     K head g serves Q heads g*Hq/Hk ... (g+1)*Hq/Hk - 1, as SDPA's ``enable_gqa``), any strides.
     ``mask_mod(b, h, q_idx, kv_idx) -> bool`` (FlexAttention's convention: True = attend)
     replaces the causal mask when given. A head whose every logit is masked reports -inf.
+    ``query_positions`` (Lq,) and ``key_positions`` (Lk,), integer tensors on q's device, give
+    each query's and key's position in the whole sequence when q and k are not the same
+    contiguous stretch of it (context parallel: a rank's queries against every rank's keys);
+    the causal mask then keeps key j for query i when ``key_positions[j] <= query_positions[i]``.
 
     Neither q nor k is copied: for every sequence b and every position r of a Q head in its
     group, one batched matmul over the K heads multiplies strided views of a block of queries
@@ -101,11 +108,14 @@ def block_max_logits(
     if q_heads % kv_heads:
         raise ValueError(f"max-logit recording: {q_heads} query heads are not a multiple of {kv_heads} key heads")
     causal = is_causal and mask_mod is None
-    if causal and q_len != kv_len:
+    positional = causal and (query_positions is not None or key_positions is not None)
+    if positional:
+        _check_positions(query_positions, key_positions, q_len, kv_len)
+    elif causal and q_len != kv_len:
         raise ValueError(f"max-logit recording: causal attention with {q_len} queries but {kv_len} keys is not supported")
     scale = 1.0 / math.sqrt(dim) if scale is None else float(scale)
     rep = q_heads // kv_heads
-    block = block_rows(q, k, block_bytes, masked=mask_mod is not None)
+    block = block_rows(q, k, block_bytes, masked=mask_mod is not None, positional=positional)
 
     # Views only: Q head g*rep + r is queries[:, g, r]; (Hk, rows, D) @ (Hk, D, keys) per (b, r).
     queries = q.detach().unflatten(1, (kv_heads, rep))  # (B, Hk, rep, Lq, D)
@@ -114,7 +124,8 @@ def block_max_logits(
     buffer = torch.empty(kv_heads * block * kv_len, dtype=q.dtype, device=q.device)
     per_head = _per_head_matmul(q)
     zero = torch.zeros((), dtype=q.dtype, device=q.device) if per_head else None
-    upper = torch.ones(block, block, dtype=torch.bool, device=q.device).triu_(1) if causal else None  # j > i
+    diagonal = causal and not positional
+    upper = torch.ones(block, block, dtype=torch.bool, device=q.device).triu_(1) if diagonal else None  # j > i
     blocks = range(0, q_len, block)
     # Every (block, b, r) writes its (Hk,) maxima into its own row: one kernel, one max at the end.
     maxima = torch.full((max(1, len(blocks)), batch, rep, kv_heads), -math.inf, dtype=q.dtype, device=q.device)
@@ -122,8 +133,10 @@ def block_max_logits(
         end = min(q_len, start + block)
         rows = end - start
         # Causal: keys after the block are never computed; only the diagonal square needs a mask.
-        keys_end = end if causal else kv_len
+        keys_end = end if diagonal else kv_len
         logits = buffer[: kv_heads * rows * keys_end].view(kv_heads, rows, keys_end)
+        # Positional causal mask: one (rows, keys) grid per block, shared by every sequence and head.
+        later = key_positions[None, :] > query_positions[start:end, None] if positional else None
         for b in range(batch):
             keys = keys_t[b, :, :, :keys_end]
             for r in range(rep):
@@ -133,7 +146,9 @@ def block_max_logits(
                         torch.addmm(zero, block_queries[g], keys[g], beta=0, out=logits[g])
                 else:
                     torch.bmm(block_queries, keys, out=logits)
-                if causal:
+                if positional:
+                    logits.masked_fill_(later, -math.inf)
+                elif causal:
                     logits[..., start:end].masked_fill_(upper[:rows, :rows], -math.inf)
                 elif mask_mod is not None:
                     logits.masked_fill_(~_allowed(mask_mod, b, kv_heads, rep, r, start, end, kv_len, q.device), -math.inf)
@@ -141,6 +156,16 @@ def block_max_logits(
     # max is exact in any dtype: take it in the activations' dtype, widen only the result; and
     # multiply after the max (the scale is positive): one fewer pass over the block.
     return (maxima.amax(dim=(0, 1)).float() * scale).transpose(0, 1).reshape(q_heads)
+
+
+def _check_positions(query_positions: Tensor | None, key_positions: Tensor | None, q_len: int, kv_len: int) -> None:
+    if query_positions is None or key_positions is None:
+        raise ValueError("max-logit recording: query_positions and key_positions go together")
+    if query_positions.shape != (q_len,) or key_positions.shape != (kv_len,):
+        raise ValueError(
+            f"max-logit recording: positions of shapes {tuple(query_positions.shape)} and {tuple(key_positions.shape)} "
+            f"for {q_len} queries and {kv_len} keys"
+        )
 
 
 @dataclass(frozen=True)
@@ -152,6 +177,10 @@ class InputLayout:
     q_name: str = "q"
     k_name: str = "k"
     heads_dim: int = 1
+
+    @property
+    def sequence_dim(self) -> int:
+        return 3 - self.heads_dim
 
     def head_major(self, t: Tensor) -> Tensor:
         """``t`` as (batch, heads, seq, head_dim): itself, or a transposed view of it (no copy)."""
@@ -196,6 +225,85 @@ def masking(kwargs: dict) -> tuple[bool, object]:
             "(varlen attention packs documents; its boundaries are not read here)"
         )
     return False, mask_mod
+
+
+CONTEXT_PARALLEL_LOAD_BALANCERS = ("headtail", "ptrr", None)
+
+
+def sharded_sequence_positions(load_balancer: str | None, world: int, local_len: int, device: torch.device | str = "cpu") -> Tensor:
+    """(world·local_len,) global token positions of ranks 0, 1, ... of a context-parallel group in
+    turn, each holding ``local_len`` tokens as ``load_balancer`` cut them (:class:`ContextParallelSequence`)."""
+    if load_balancer is None:
+        return torch.arange(world * local_len, device=device)
+    if load_balancer != "headtail":
+        raise NotImplementedError(
+            f"max-logit recording: context_parallel_load_balancer = {load_balancer!r} lays the sequence out "
+            "through a FlexAttention BlockMask; SDPA attention under context parallel needs 'headtail' or None"
+        )
+    if local_len % 2:
+        raise ValueError(
+            f"max-logit recording: context_parallel_load_balancer = 'headtail' gives each rank two equal chunks, "
+            f"but a rank holds {local_len} tokens"
+        )
+    chunk = local_len // 2
+    ranks = torch.arange(world, device=device)[:, None]
+    offsets = torch.arange(chunk, device=device)[None, :]
+    head, tail = ranks * chunk + offsets, (2 * world - 1 - ranks) * chunk + offsets
+    return torch.cat([head, tail], dim=1).reshape(-1)
+
+
+@dataclass(frozen=True)
+class ContextParallelSequence:
+    """How context parallel cut every sequence over ``group``, as torchtitan 0.2.2 does it.
+
+    ``load_balancer`` is torchtitan's ``[parallelism] context_parallel_load_balancer``:
+
+    * ``"headtail"`` (its default for SDPA): the sequence is cut into 2·W equal chunks and rank r
+      holds chunk r followed by chunk 2·W-1-r (so every rank gets as much of the causal triangle);
+    * ``None``: rank r holds the r-th of W equal contiguous slices;
+    * ``"ptrr"`` (FlexAttention only): the layout is carried by the sharded ``BlockMask``, and
+      torch's context-parallel hook hands attention every rank's keys already: nothing to do here.
+
+    Under SDPA each rank's attention sees its own queries and keys only; the recorder gathers
+    every rank's keys (:meth:`gather_keys`, one all-gather per layer and forward) and masks
+    them causally by their global positions (:meth:`sequence_positions`).
+    """
+
+    group: dist.ProcessGroup
+    load_balancer: str | None = "headtail"
+
+    def __post_init__(self):
+        if self.load_balancer not in CONTEXT_PARALLEL_LOAD_BALANCERS:
+            raise ValueError(
+                f"max-logit recording: [parallelism] context_parallel_load_balancer = {self.load_balancer!r} is not one of "
+                f"{CONTEXT_PARALLEL_LOAD_BALANCERS}"
+            )
+
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size(self.group)
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank(self.group)
+
+    def sequence_positions(self, local_len: int, device: torch.device) -> Tensor:
+        """The global position of every token of the gathered sequence: rank 0's ``local_len``
+        tokens, then rank 1's, and so on (the order :meth:`gather_keys` returns them in)."""
+        return sharded_sequence_positions(self.load_balancer, self.world_size, local_len, device)
+
+    def gather_keys(self, k: Tensor) -> Tensor:
+        """Every rank's keys, in rank order, as a (B, Hk, W·L, D) view of one buffer: ``k`` (B, Hk, L, D)
+        goes out sequence-major, so each rank's slice lands contiguous and the sequence stays one
+        strided dimension (the block matmuls read it in place). One all-gather."""
+        local = k.detach().permute(2, 0, 1, 3).contiguous()  # (L, B, Hk, D)
+        gathered = local.new_empty((self.world_size * local.shape[0], *local.shape[1:]))
+        dist.all_gather_into_tensor(gathered, local, group=self.group)
+        return gathered.permute(1, 2, 0, 3)
+
+
+def _shards_dim(t: DTensor, dim: int) -> bool:
+    return any(isinstance(p, (Shard, _StridedShard)) and p.dim == dim for p in t.placements)
 
 
 def _per_head_matmul(q: Tensor) -> bool:
@@ -353,11 +461,21 @@ class MaxLogitRecorder:
     max score (:class:`FlexKernelTap`), which costs one (B, Hq, Lq) fp32 output instead of a
     second QKᵀ. None (default): on CUDA, where torch 2.13's kernel offers it; True: wherever the
     layer's attention is FlexAttention (it raises otherwise); False: never.
+
+    ``context_parallel``: how context parallel cut the sequence (:class:`ContextParallelSequence`);
+    each rank then records its own queries against the whole sequence's keys.
     """
 
-    def __init__(self, layers: Sequence[nn.Module | AttentionLayer], block_bytes: int | None = None, fused: bool | None = None):
+    def __init__(
+        self,
+        layers: Sequence[nn.Module | AttentionLayer],
+        block_bytes: int | None = None,
+        fused: bool | None = None,
+        context_parallel: ContextParallelSequence | None = None,
+    ):
         if not layers:
             raise ValueError("MaxLogitRecorder: no attention layers to record")
+        self.context_parallel = context_parallel
         self.attention_layers = [as_attention_layer(layer) for layer in layers]
         self.layers = [layer.module for layer in self.attention_layers]
         layers = self.layers
@@ -381,8 +499,10 @@ class MaxLogitRecorder:
             raise
 
     @classmethod
-    def attach(cls, model: nn.Module, block_bytes: int | None = None, fused: bool | None = None) -> MaxLogitRecorder:
-        return cls(find_attention_layers(model), block_bytes, fused)
+    def attach(
+        cls, model: nn.Module, block_bytes: int | None = None, fused: bool | None = None, context_parallel: ContextParallelSequence | None = None
+    ) -> MaxLogitRecorder:
+        return cls(find_attention_layers(model), block_bytes, fused, context_parallel)
 
     @staticmethod
     def _check_supported(layer: nn.Module) -> None:
@@ -416,20 +536,32 @@ class MaxLogitRecorder:
         def inputs(args, kwargs) -> tuple[Tensor, Tensor, int]:
             q = args[0] if args else kwargs[layout.q_name]
             k = args[1] if len(args) > 1 else kwargs[layout.k_name]
-            if isinstance(q, DTensor):  # heads sharded as a DTensor: its placement says which
-                return q.to_local(), k.to_local(), held_rows(q, layout.heads_dim)[0]
-            return q, k, first_local_head(attention, q.shape[layout.heads_dim])
+            if not isinstance(q, DTensor):
+                return q, k, first_local_head(attention, q.shape[layout.heads_dim])
+            # torch's context parallel hands SDPA DTensors sharded along the sequence; tensor
+            # parallel (torchtitan 0.3.0) DTensors sharded along the heads, whose placement says which.
+            if self.context_parallel is None and _shards_dim(q, layout.sequence_dim):
+                raise NotImplementedError(
+                    f"max-logit recording: {attention.name!r} gets q and k sharded along the sequence (context parallel), "
+                    "but the recorder was built without context_parallel=ContextParallelSequence(cp group, load balancer): "
+                    "it would miss every query/key pair across ranks"
+                )
+            local_q = q.to_local()
+            if _shards_dim(q, layout.heads_dim):
+                first_head = held_rows(q, layout.heads_dim)[0]
+            else:
+                first_head = first_local_head(attention, local_q.shape[layout.heads_dim])
+            return local_q, k.to_local(), first_head
 
         def record_blocks(q: Tensor, k: Tensor, first_head: int, kwargs: dict) -> None:
             is_causal, mask_mod = masking(kwargs)
+            q, k = layout.head_major(q), layout.head_major(k)
             with torch.no_grad():
+                positions = {}
+                if self.context_parallel is not None:
+                    k, positions = self._whole_sequence_keys(attention, q, k, is_causal, mask_mod)
                 observed = block_max_logits(
-                    layout.head_major(q),
-                    layout.head_major(k),
-                    kwargs.get("scale"),
-                    is_causal=is_causal,
-                    mask_mod=mask_mod,
-                    block_bytes=self.block_bytes,
+                    q, k, kwargs.get("scale"), is_causal=is_causal, mask_mod=mask_mod, block_bytes=self.block_bytes, **positions
                 )
                 self._update(index, first_head, observed)
 
@@ -461,6 +593,32 @@ class MaxLogitRecorder:
                 record_blocks(*pending.pop())
 
         return pre_hook, post_hook if tap is not None else None
+
+    def _whole_sequence_keys(self, attention: AttentionLayer, q: Tensor, k: Tensor, is_causal: bool, mask_mod) -> tuple[Tensor, dict]:
+        """Under context parallel: the keys of the whole sequence for this rank's queries, and (causal
+        SDPA) the global positions of both. Every check comes before the all-gather and depends only
+        on shapes and configuration, which every rank of the group shares: an error is raised on all
+        of them, and none is left waiting in the collective."""
+        cp = self.context_parallel
+        q_len, k_len = q.shape[2], k.shape[2]
+        if mask_mod is not None:  # FlexAttention: torch's CP hook already gathered the keys, the BlockMask maps positions
+            if k_len != cp.world_size * q_len:
+                raise NotImplementedError(
+                    f"max-logit recording: FlexAttention in {attention.name!r} under context parallel got {k_len} keys for "
+                    f"{q_len} queries; torch's context-parallel hook should have gathered all {cp.world_size * q_len}"
+                )
+            return k, {}
+        if k_len != q_len:
+            raise NotImplementedError(
+                f"max-logit recording: SDPA in {attention.name!r} under context parallel got {q_len} queries and {k_len} keys; "
+                "expected this rank's slice of both"
+            )
+        key_positions = cp.sequence_positions(q_len, q.device) if is_causal else None
+        keys = cp.gather_keys(k)
+        if key_positions is None:
+            return keys, {}
+        query_positions = key_positions[cp.rank * q_len : (cp.rank + 1) * q_len]
+        return keys, {"query_positions": query_positions, "key_positions": key_positions}
 
     def _update(self, index: int, first_head: int, observed: Tensor) -> None:
         if self.max_logits.device != observed.device:  # the model moved after the recorder was built

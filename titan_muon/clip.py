@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from titan_muon.attention_layers import AttentionLayer, find_attention_layers
-from titan_muon.attention_logits import MaxLogitRecorder, held_rows
+from titan_muon.attention_logits import ContextParallelSequence, MaxLogitRecorder, held_rows
 from titan_muon.update import local_shard
 
 logger = logging.getLogger(__name__)
@@ -187,6 +187,11 @@ class QKClip:
     whose product they are (e.g. a pipeline stage's data-parallel and tensor-parallel mesh
     dimensions: one MAX all-reduce each), or None for the world. The step adds no host sync:
     ``metrics`` holds device tensors until read.
+
+    Context parallel: ``context_parallel`` says how the sequence is cut over the CP group
+    (:class:`~titan_muon.attention_logits.ContextParallelSequence`); each rank records its
+    queries against the whole sequence's keys, and ``group`` must include the CP ranks (every
+    rank of a CP group holds the same layers).
     """
 
     def __init__(
@@ -197,11 +202,12 @@ class QKClip:
         group: dist.ProcessGroup | Sequence[dist.ProcessGroup] | None = None,
         block_bytes: int | None = None,
         fused: bool | None = None,
+        context_parallel: ContextParallelSequence | None = None,
     ):
         _check_hyperparameters(tau, alpha)
         self.tau, self.alpha, self.group = float(tau), float(alpha), group
         self.layers = qk_clip_layers(model)
-        self.recorder = MaxLogitRecorder(self.layers, block_bytes, fused)
+        self.recorder = MaxLogitRecorder(self.layers, block_bytes, fused, context_parallel)
 
     def reduce_and_clip(
         self, optimizer: torch.optim.Optimizer | None = None, *, lr: float | Tensor | None = None
@@ -253,6 +259,7 @@ def build_qk_clips(
     block_bytes: int | None = None,
     fused: bool | None = None,
     allow_parts_without_attention: bool = False,
+    context_parallel: ContextParallelSequence | None = None,
 ) -> list[QKClip | None]:
     """One :class:`QKClip` per model part, ``None`` for a part without attention layers.
 
@@ -264,7 +271,7 @@ def build_qk_clips(
     clips: list[QKClip | None] = []
     for index, part in enumerate(model_parts):
         if qk_clip_layers(part, required=not allow_parts_without_attention):
-            clips.append(QKClip(part, tau, alpha, group, block_bytes, fused))
+            clips.append(QKClip(part, tau, alpha, group, block_bytes, fused, context_parallel))
         else:
             logger.warning("QK-clip: model part %d (%s) has no attention layer: nothing to clip in it", index, type(part).__name__)
             clips.append(None)
