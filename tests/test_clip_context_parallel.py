@@ -37,6 +37,8 @@ from titan_muon.attention_logits import (
     ContextParallelSequence,
     MaxLogitRecorder,
     block_max_logits,
+    causal_key_ranges,
+    gathered_key_positions,
     sharded_sequence_positions,
 )
 from titan_muon.clip import QKClip
@@ -59,6 +61,33 @@ def test_head_tail_positions_are_torchs_load_balancer(world):
     torch_order = _HeadTailLoadBalancer(world * local_len, world, "cpu")._generate_indices()
     assert torch.equal(ours, torch_order.reshape(-1))
     assert sharded_sequence_positions(None, world, local_len).tolist() == list(range(world * local_len))
+
+
+@pytest.mark.parametrize("load_balancer", ["headtail", None])
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_each_query_stretch_gets_every_key_it_may_see(load_balancer, world):
+    """Exhaustive over ranks and queries: the gathered keys are the whole sequence once, the
+    stretches tile the rank's queries, and each stretch's key range holds every key at or before
+    each of its queries' positions (so skipping the keys outside it loses nothing)."""
+    local_len = 6
+    key_positions = gathered_key_positions(load_balancer, world, local_len)
+    assert sorted(key_positions.tolist()) == list(range(world * local_len))
+    sharded = sharded_sequence_positions(load_balancer, world, local_len)
+    multiplied = 0
+    for rank in range(world):
+        query_positions = sharded[rank * local_len : (rank + 1) * local_len]
+        ranges = causal_key_ranges(load_balancer, world, rank, local_len)
+        assert [i for q0, q1, _, _ in ranges for i in range(q0, q1)] == list(range(local_len))
+        for q0, q1, k0, k1 in ranges:
+            for i in range(q0, q1):
+                visible = (key_positions <= query_positions[i]).nonzero().flatten()
+                assert k0 <= int(visible.min()) and int(visible.max()) < k1
+            multiplied += (q1 - q0) * (k1 - k0)
+    # Query-key products over all ranks: the causal triangle plus at most one chunk square per
+    # stretch (the diagonal), never the whole L x L square.
+    seq = world * local_len
+    stretches = 2 * world if load_balancer else world
+    assert multiplied <= seq * (seq + 1) // 2 + stretches * (seq // stretches) ** 2
 
 
 def test_bad_load_balancers_are_named():

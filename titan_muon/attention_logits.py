@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import inspect
 import math
+from functools import partial
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -230,26 +231,58 @@ def masking(kwargs: dict) -> tuple[bool, object]:
 CONTEXT_PARALLEL_LOAD_BALANCERS = ("headtail", "ptrr", None)
 
 
-def sharded_sequence_positions(load_balancer: str | None, world: int, local_len: int, device: torch.device | str = "cpu") -> Tensor:
-    """(world·local_len,) global token positions of ranks 0, 1, ... of a context-parallel group in
-    turn, each holding ``local_len`` tokens as ``load_balancer`` cut them (:class:`ContextParallelSequence`)."""
-    if load_balancer is None:
-        return torch.arange(world * local_len, device=device)
-    if load_balancer != "headtail":
+def _check_sdpa_load_balancer(load_balancer: str | None, local_len: int) -> None:
+    if load_balancer not in ("headtail", None):
         raise NotImplementedError(
             f"max-logit recording: context_parallel_load_balancer = {load_balancer!r} lays the sequence out "
             "through a FlexAttention BlockMask; SDPA attention under context parallel needs 'headtail' or None"
         )
-    if local_len % 2:
+    if load_balancer == "headtail" and local_len % 2:
         raise ValueError(
             f"max-logit recording: context_parallel_load_balancer = 'headtail' gives each rank two equal chunks, "
             f"but a rank holds {local_len} tokens"
         )
+
+
+def sharded_sequence_positions(load_balancer: str | None, world: int, local_len: int, device: torch.device | str = "cpu") -> Tensor:
+    """(world·local_len,) global token positions of ranks 0, 1, ... of a context-parallel group in
+    turn, each holding ``local_len`` tokens as ``load_balancer`` cut them (:class:`ContextParallelSequence`)."""
+    _check_sdpa_load_balancer(load_balancer, local_len)
+    if load_balancer is None:
+        return torch.arange(world * local_len, device=device)
     chunk = local_len // 2
     ranks = torch.arange(world, device=device)[:, None]
     offsets = torch.arange(chunk, device=device)[None, :]
     head, tail = ranks * chunk + offsets, (2 * world - 1 - ranks) * chunk + offsets
     return torch.cat([head, tail], dim=1).reshape(-1)
+
+
+def gathered_key_positions(load_balancer: str | None, world: int, local_len: int, device: torch.device | str = "cpu") -> Tensor:
+    """(world·local_len,) global positions of the keys :meth:`ContextParallelSequence.gather_keys`
+    returns, in its order: every rank's slice in rank order (no load balancer), or, head-tail,
+    every rank's tail chunk (chunks 2W-1, 2W-2, ..., W) then every rank's head chunk (0, 1, ..., W-1)."""
+    positions = sharded_sequence_positions(load_balancer, world, local_len, device)
+    if load_balancer is None:
+        return positions
+    halves = positions.view(world, 2, local_len // 2)
+    return torch.cat([halves[:, 1].reshape(-1), halves[:, 0].reshape(-1)])
+
+
+def causal_key_ranges(load_balancer: str | None, world: int, rank: int, local_len: int) -> list[tuple[int, int, int, int]]:
+    """``(query start, query stop, key start, key stop)``: each stretch of ``rank``'s queries and the
+    one contiguous stretch of the gathered keys (:func:`gathered_key_positions` order) that holds
+    every key those queries may attend to causally, so that no key after them is ever multiplied.
+
+    Head-tail: head chunk r sees head chunks 0..r (the first r+1 of the head half); tail chunk
+    2W-1-r sees its own and later ranks' tail chunks (earlier chunks) and the whole head half, which
+    follow each other in the gathered order. Contiguous slices: rank r sees slices 0..r.
+    """
+    _check_sdpa_load_balancer(load_balancer, local_len)
+    if load_balancer is None:
+        return [(0, local_len, 0, (rank + 1) * local_len)]
+    chunk = local_len // 2
+    head_half = world * chunk  # where the head chunks start in the gathered order
+    return [(0, chunk, head_half, head_half + (rank + 1) * chunk), (chunk, local_len, rank * chunk, 2 * head_half)]
 
 
 @dataclass(frozen=True)
@@ -265,11 +298,11 @@ class ContextParallelSequence:
       torch's context-parallel hook hands attention every rank's keys already: nothing to do here.
 
     Under SDPA each rank's attention sees its own queries and keys only; the recorder gathers
-    every rank's keys (:meth:`gather_keys`, one all-gather per layer and forward) and masks
-    them causally by their global positions (:meth:`sequence_positions`).
+    every rank's keys (:meth:`gather_keys`) and, causal, takes each stretch of its queries against
+    the stretch of keys before it (:func:`causal_key_ranges`), masked by global positions.
     """
 
-    group: dist.ProcessGroup
+    group: dist.ProcessGroup | None
     load_balancer: str | None = "headtail"
 
     def __post_init__(self):
@@ -287,18 +320,20 @@ class ContextParallelSequence:
     def rank(self) -> int:
         return dist.get_rank(self.group)
 
-    def sequence_positions(self, local_len: int, device: torch.device) -> Tensor:
-        """The global position of every token of the gathered sequence: rank 0's ``local_len``
-        tokens, then rank 1's, and so on (the order :meth:`gather_keys` returns them in)."""
-        return sharded_sequence_positions(self.load_balancer, self.world_size, local_len, device)
-
     def gather_keys(self, k: Tensor) -> Tensor:
-        """Every rank's keys, in rank order, as a (B, Hk, W·L, D) view of one buffer: ``k`` (B, Hk, L, D)
-        goes out sequence-major, so each rank's slice lands contiguous and the sequence stays one
-        strided dimension (the block matmuls read it in place). One all-gather."""
+        """Every rank's keys as a (B, Hk, W·L, D) view of one buffer, in :func:`gathered_key_positions`
+        order. ``k`` (B, Hk, L, D) goes out sequence-major, so each rank's part lands contiguous and
+        the sequence stays one strided dimension (the block matmuls read it in place). One all-gather,
+        two for head-tail (the tail chunks, then the head chunks)."""
         local = k.detach().permute(2, 0, 1, 3).contiguous()  # (L, B, Hk, D)
-        gathered = local.new_empty((self.world_size * local.shape[0], *local.shape[1:]))
-        dist.all_gather_into_tensor(gathered, local, group=self.group)
+        world, local_len = self.world_size, local.shape[0]
+        gathered = local.new_empty((world * local_len, *local.shape[1:]))
+        if self.load_balancer == "headtail":
+            chunk = local_len // 2
+            dist.all_gather_single(gathered[: world * chunk], local[chunk:], group=self.group)
+            dist.all_gather_single(gathered[world * chunk :], local[:chunk], group=self.group)
+        else:
+            dist.all_gather_single(gathered, local, group=self.group)
         return gathered.permute(1, 2, 0, 3)
 
 
@@ -557,12 +592,12 @@ class MaxLogitRecorder:
             is_causal, mask_mod = masking(kwargs)
             q, k = layout.head_major(q), layout.head_major(k)
             with torch.no_grad():
-                positions = {}
                 if self.context_parallel is not None:
-                    k, positions = self._whole_sequence_keys(attention, q, k, is_causal, mask_mod)
-                observed = block_max_logits(
-                    q, k, kwargs.get("scale"), is_causal=is_causal, mask_mod=mask_mod, block_bytes=self.block_bytes, **positions
-                )
+                    observed = self._whole_sequence_max_logits(attention, q, k, kwargs.get("scale"), is_causal, mask_mod)
+                else:
+                    observed = block_max_logits(
+                        q, k, kwargs.get("scale"), is_causal=is_causal, mask_mod=mask_mod, block_bytes=self.block_bytes
+                    )
                 self._update(index, first_head, observed)
 
         def pre_hook(module, args, kwargs):
@@ -594,31 +629,40 @@ class MaxLogitRecorder:
 
         return pre_hook, post_hook if tap is not None else None
 
-    def _whole_sequence_keys(self, attention: AttentionLayer, q: Tensor, k: Tensor, is_causal: bool, mask_mod) -> tuple[Tensor, dict]:
-        """Under context parallel: the keys of the whole sequence for this rank's queries, and (causal
-        SDPA) the global positions of both. Every check comes before the all-gather and depends only
-        on shapes and configuration, which every rank of the group shares: an error is raised on all
-        of them, and none is left waiting in the collective."""
+    def _whole_sequence_max_logits(
+        self, attention: AttentionLayer, q: Tensor, k: Tensor, scale, is_causal: bool, mask_mod
+    ) -> Tensor:
+        """Under context parallel: this rank's queries against the whole sequence's keys. Every check
+        comes before the all-gather and depends only on shapes and configuration, which every rank
+        of the group shares: an error is raised on all of them, and none is left waiting in it."""
         cp = self.context_parallel
         q_len, k_len = q.shape[2], k.shape[2]
+        record = partial(block_max_logits, scale=scale, block_bytes=self.block_bytes)
         if mask_mod is not None:  # FlexAttention: torch's CP hook already gathered the keys, the BlockMask maps positions
             if k_len != cp.world_size * q_len:
                 raise NotImplementedError(
                     f"max-logit recording: FlexAttention in {attention.name!r} under context parallel got {k_len} keys for "
                     f"{q_len} queries; torch's context-parallel hook should have gathered all {cp.world_size * q_len}"
                 )
-            return k, {}
+            return record(q, k, is_causal=False, mask_mod=mask_mod)
         if k_len != q_len:
             raise NotImplementedError(
                 f"max-logit recording: SDPA in {attention.name!r} under context parallel got {q_len} queries and {k_len} keys; "
                 "expected this rank's slice of both"
             )
-        key_positions = cp.sequence_positions(q_len, q.device) if is_causal else None
+        if not is_causal:
+            return record(q, cp.gather_keys(k), is_causal=False)
+        world, rank = cp.world_size, cp.rank
+        ranges = causal_key_ranges(cp.load_balancer, world, rank, q_len)
+        query_positions = sharded_sequence_positions(cp.load_balancer, world, q_len, q.device)[rank * q_len : (rank + 1) * q_len]
+        key_positions = gathered_key_positions(cp.load_balancer, world, q_len, q.device)
         keys = cp.gather_keys(k)
-        if key_positions is None:
-            return keys, {}
-        query_positions = key_positions[cp.rank * q_len : (cp.rank + 1) * q_len]
-        return keys, {"query_positions": query_positions, "key_positions": key_positions}
+        # One call per stretch of queries (two under head-tail), each over only the keys it may see.
+        maxima = [
+            record(q[:, :, q0:q1], keys[:, :, k0:k1], query_positions=query_positions[q0:q1], key_positions=key_positions[k0:k1])
+            for q0, q1, k0, k1 in ranges
+        ]
+        return torch.stack(maxima).amax(dim=0)
 
     def _update(self, index: int, first_head: int, observed: Tensor) -> None:
         if self.max_logits.device != observed.device:  # the model moved after the recorder was built
