@@ -67,8 +67,9 @@ def test_head_tail_positions_are_torchs_load_balancer(world):
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_each_query_stretch_gets_every_key_it_may_see(load_balancer, world):
     """Exhaustive over ranks and queries: the gathered keys are the whole sequence once, the
-    stretches tile the rank's queries, and each stretch's key range holds every key at or before
-    each of its queries' positions (so skipping the keys outside it loses nothing)."""
+    stretches tile the rank's queries, each stretch's key range holds every key at or before each
+    of its queries' positions (so skipping the keys outside it loses nothing), and every key of the
+    range outside its mask window precedes all of its queries (so leaving it unmasked is right)."""
     local_len = 6
     key_positions = gathered_key_positions(load_balancer, world, local_len)
     assert sorted(key_positions.tolist()) == list(range(world * local_len))
@@ -77,12 +78,16 @@ def test_each_query_stretch_gets_every_key_it_may_see(load_balancer, world):
     for rank in range(world):
         query_positions = sharded[rank * local_len : (rank + 1) * local_len]
         ranges = causal_key_ranges(load_balancer, world, rank, local_len)
-        assert [i for q0, q1, _, _ in ranges for i in range(q0, q1)] == list(range(local_len))
-        for q0, q1, k0, k1 in ranges:
-            for i in range(q0, q1):
+        assert [i for part in ranges for i in range(part.query_start, part.query_stop)] == list(range(local_len))
+        for part in ranges:
+            keys = key_positions[part.key_start : part.key_stop]
+            unmasked = torch.ones(len(keys), dtype=torch.bool)
+            unmasked[part.mask_start : part.mask_stop] = False
+            for i in range(part.query_start, part.query_stop):
                 visible = (key_positions <= query_positions[i]).nonzero().flatten()
-                assert k0 <= int(visible.min()) and int(visible.max()) < k1
-            multiplied += (q1 - q0) * (k1 - k0)
+                assert part.key_start <= int(visible.min()) and int(visible.max()) < part.key_stop
+                assert bool((keys[unmasked] <= query_positions[i]).all())
+            multiplied += (part.query_stop - part.query_start) * (part.key_stop - part.key_start)
     # Query-key products over all ranks: the causal triangle plus at most one chunk square per
     # stretch (the diagonal), never the whole L x L square.
     seq = world * local_len
@@ -112,6 +117,13 @@ def test_positional_causal_mask_equals_the_dense_max(block_bytes):
     allowed = key_positions[None, :] <= query_positions[:, None]
     expected = logits.masked_fill(~allowed, -math.inf).amax(dim=(0, 2, 3))
     torch.testing.assert_close(got.double(), expected, rtol=1e-6, atol=1e-6)  # fp32 sums of 8 products: ~1e-7
+    # The same with the mask applied only where a key can follow a query: here sorted keys, the
+    # queries' own stretch last, as in context parallel's contiguous slices.
+    sorted_keys = torch.arange(13)
+    own = torch.arange(8, 13)
+    windowed = block_max_logits(q, k, query_positions=own, key_positions=sorted_keys, masked_keys=(8, 13), block_bytes=block_bytes)
+    allowed = sorted_keys[None, :] <= own[:, None]
+    torch.testing.assert_close(windowed.double(), logits.masked_fill(~allowed, -math.inf).amax(dim=(0, 2, 3)), rtol=1e-6, atol=1e-6)
     with pytest.raises(ValueError, match="positions of shapes"):
         block_max_logits(q, k, query_positions=query_positions[:3], key_positions=key_positions)
 

@@ -88,6 +88,7 @@ def block_max_logits(
     block_bytes: int | None = None,
     query_positions: Tensor | None = None,
     key_positions: Tensor | None = None,
+    masked_keys: tuple[int, int] | None = None,
 ) -> Tensor:
     """Max over batch, queries and unmasked keys of ``scale * q·k`` for every query head, in fp32.
 
@@ -99,6 +100,8 @@ def block_max_logits(
     each query's and key's position in the whole sequence when q and k are not the same
     contiguous stretch of it (context parallel: a rank's queries against every rank's keys);
     the causal mask then keeps key j for query i when ``key_positions[j] <= query_positions[i]``.
+    ``masked_keys`` ``(start, stop)``: the caller knows every key outside it is visible to every
+    query, so the positional mask is built and applied on those keys only.
 
     Neither q nor k is copied: for every sequence b and every position r of a Q head in its
     group, one batched matmul over the K heads multiplies strided views of a block of queries
@@ -117,6 +120,7 @@ def block_max_logits(
     scale = 1.0 / math.sqrt(dim) if scale is None else float(scale)
     rep = q_heads // kv_heads
     block = block_rows(q, k, block_bytes, masked=mask_mod is not None, positional=positional)
+    mask_start, mask_stop = masked_keys if masked_keys is not None else (0, kv_len)
 
     # Views only: Q head g*rep + r is queries[:, g, r]; (Hk, rows, D) @ (Hk, D, keys) per (b, r).
     queries = q.detach().unflatten(1, (kv_heads, rep))  # (B, Hk, rep, Lq, D)
@@ -137,7 +141,7 @@ def block_max_logits(
         keys_end = end if diagonal else kv_len
         logits = buffer[: kv_heads * rows * keys_end].view(kv_heads, rows, keys_end)
         # Positional causal mask: one (rows, keys) grid per block, shared by every sequence and head.
-        later = key_positions[None, :] > query_positions[start:end, None] if positional else None
+        later = key_positions[None, mask_start:mask_stop] > query_positions[start:end, None] if positional else None
         for b in range(batch):
             keys = keys_t[b, :, :, :keys_end]
             for r in range(rep):
@@ -148,7 +152,7 @@ def block_max_logits(
                 else:
                     torch.bmm(block_queries, keys, out=logits)
                 if positional:
-                    logits.masked_fill_(later, -math.inf)
+                    logits[..., mask_start:mask_stop].masked_fill_(later, -math.inf)
                 elif causal:
                     logits[..., start:end].masked_fill_(upper[:rows, :rows], -math.inf)
                 elif mask_mod is not None:
@@ -268,21 +272,39 @@ def gathered_key_positions(load_balancer: str | None, world: int, local_len: int
     return torch.cat([halves[:, 1].reshape(-1), halves[:, 0].reshape(-1)])
 
 
-def causal_key_ranges(load_balancer: str | None, world: int, rank: int, local_len: int) -> list[tuple[int, int, int, int]]:
-    """``(query start, query stop, key start, key stop)``: each stretch of ``rank``'s queries and the
-    one contiguous stretch of the gathered keys (:func:`gathered_key_positions` order) that holds
-    every key those queries may attend to causally, so that no key after them is ever multiplied.
+@dataclass(frozen=True)
+class CausalKeyRange:
+    """A stretch of a rank's queries, ``[query_start, query_stop)``, and the contiguous stretch of
+    the gathered keys, ``[key_start, key_stop)``, holding every key they may attend to causally.
+    Only the keys ``[mask_start, mask_stop)`` of it (relative to ``key_start``: the queries' own
+    chunk) can lie after one of those queries; every other key precedes them all."""
 
-    Head-tail: head chunk r sees head chunks 0..r (the first r+1 of the head half); tail chunk
-    2W-1-r sees its own and later ranks' tail chunks (earlier chunks) and the whole head half, which
-    follow each other in the gathered order. Contiguous slices: rank r sees slices 0..r.
+    query_start: int
+    query_stop: int
+    key_start: int
+    key_stop: int
+    mask_start: int
+    mask_stop: int
+
+
+def causal_key_ranges(load_balancer: str | None, world: int, rank: int, local_len: int) -> list[CausalKeyRange]:
+    """Each stretch of ``rank``'s queries with the stretch of the gathered keys (in
+    :func:`gathered_key_positions` order) it may see, so that no key after them is ever multiplied.
+
+    Head-tail: head chunk r sees head chunks 0..r (the first r+1 of the head half, its own last);
+    tail chunk 2W-1-r sees its own and the later ranks' tail chunks (earlier chunks), then the
+    whole head half, which follow each other in the gathered order (its own first). Contiguous
+    slices: rank r sees slices 0..r (its own last).
     """
     _check_sdpa_load_balancer(load_balancer, local_len)
     if load_balancer is None:
-        return [(0, local_len, 0, (rank + 1) * local_len)]
+        return [CausalKeyRange(0, local_len, 0, (rank + 1) * local_len, rank * local_len, (rank + 1) * local_len)]
     chunk = local_len // 2
     head_half = world * chunk  # where the head chunks start in the gathered order
-    return [(0, chunk, head_half, head_half + (rank + 1) * chunk), (chunk, local_len, rank * chunk, 2 * head_half)]
+    return [
+        CausalKeyRange(0, chunk, head_half, head_half + (rank + 1) * chunk, rank * chunk, (rank + 1) * chunk),
+        CausalKeyRange(chunk, local_len, rank * chunk, 2 * head_half, 0, chunk),
+    ]
 
 
 @dataclass(frozen=True)
@@ -335,6 +357,59 @@ class ContextParallelSequence:
         else:
             dist.all_gather_single(gathered, local, group=self.group)
         return gathered.permute(1, 2, 0, 3)
+
+
+def context_parallel_max_logits(
+    cp: ContextParallelSequence,
+    q: Tensor,
+    k: Tensor,
+    scale: float | None = None,
+    *,
+    is_causal: bool = True,
+    mask_mod=None,
+    block_bytes: int | None = None,
+    name: str = "attention",
+) -> Tensor:
+    """:func:`block_max_logits` of this rank's queries against the whole sequence's keys, under
+    context parallel ``cp``; q, k as (B, H, L, D), this rank's slice of the sequence (FlexAttention:
+    k already gathered by torch's context-parallel hook). ``name`` (the layer's) goes into errors.
+
+    Every check comes before the all-gather and depends only on shapes and configuration, which
+    every rank of the group shares: an error is raised on all of them, and none is left waiting.
+    """
+    q_len, k_len = q.shape[2], k.shape[2]
+    record = partial(block_max_logits, scale=scale, block_bytes=block_bytes)
+    if mask_mod is not None:  # FlexAttention: torch's CP hook already gathered the keys, the BlockMask maps positions
+        if k_len != cp.world_size * q_len:
+            raise NotImplementedError(
+                f"max-logit recording: FlexAttention in {name!r} under context parallel got {k_len} keys for "
+                f"{q_len} queries; torch's context-parallel hook should have gathered all {cp.world_size * q_len}"
+            )
+        return record(q, k, is_causal=False, mask_mod=mask_mod)
+    if k_len != q_len:
+        raise NotImplementedError(
+            f"max-logit recording: SDPA in {name!r} under context parallel got {q_len} queries and {k_len} keys; "
+            "expected this rank's slice of both"
+        )
+    if not is_causal:
+        return record(q, cp.gather_keys(k), is_causal=False)
+    world, rank = cp.world_size, cp.rank
+    ranges = causal_key_ranges(cp.load_balancer, world, rank, q_len)
+    query_positions = sharded_sequence_positions(cp.load_balancer, world, q_len, q.device)[rank * q_len : (rank + 1) * q_len]
+    key_positions = gathered_key_positions(cp.load_balancer, world, q_len, q.device)
+    keys = cp.gather_keys(k)
+    # One call per stretch of queries (two under head-tail), each over only the keys it may see.
+    maxima = [
+        record(
+            q[:, :, part.query_start : part.query_stop],
+            keys[:, :, part.key_start : part.key_stop],
+            query_positions=query_positions[part.query_start : part.query_stop],
+            key_positions=key_positions[part.key_start : part.key_stop],
+            masked_keys=(part.mask_start, part.mask_stop),
+        )
+        for part in ranges
+    ]
+    return torch.stack(maxima).amax(dim=0)
 
 
 def _shards_dim(t: DTensor, dim: int) -> bool:
@@ -593,7 +668,10 @@ class MaxLogitRecorder:
             q, k = layout.head_major(q), layout.head_major(k)
             with torch.no_grad():
                 if self.context_parallel is not None:
-                    observed = self._whole_sequence_max_logits(attention, q, k, kwargs.get("scale"), is_causal, mask_mod)
+                    observed = context_parallel_max_logits(
+                        self.context_parallel, q, k, kwargs.get("scale"), is_causal=is_causal, mask_mod=mask_mod,
+                        block_bytes=self.block_bytes, name=attention.name,
+                    )  # fmt: skip
                 else:
                     observed = block_max_logits(
                         q, k, kwargs.get("scale"), is_causal=is_causal, mask_mod=mask_mod, block_bytes=self.block_bytes
@@ -628,41 +706,6 @@ class MaxLogitRecorder:
                 record_blocks(*pending.pop())
 
         return pre_hook, post_hook if tap is not None else None
-
-    def _whole_sequence_max_logits(
-        self, attention: AttentionLayer, q: Tensor, k: Tensor, scale, is_causal: bool, mask_mod
-    ) -> Tensor:
-        """Under context parallel: this rank's queries against the whole sequence's keys. Every check
-        comes before the all-gather and depends only on shapes and configuration, which every rank
-        of the group shares: an error is raised on all of them, and none is left waiting in it."""
-        cp = self.context_parallel
-        q_len, k_len = q.shape[2], k.shape[2]
-        record = partial(block_max_logits, scale=scale, block_bytes=self.block_bytes)
-        if mask_mod is not None:  # FlexAttention: torch's CP hook already gathered the keys, the BlockMask maps positions
-            if k_len != cp.world_size * q_len:
-                raise NotImplementedError(
-                    f"max-logit recording: FlexAttention in {attention.name!r} under context parallel got {k_len} keys for "
-                    f"{q_len} queries; torch's context-parallel hook should have gathered all {cp.world_size * q_len}"
-                )
-            return record(q, k, is_causal=False, mask_mod=mask_mod)
-        if k_len != q_len:
-            raise NotImplementedError(
-                f"max-logit recording: SDPA in {attention.name!r} under context parallel got {q_len} queries and {k_len} keys; "
-                "expected this rank's slice of both"
-            )
-        if not is_causal:
-            return record(q, cp.gather_keys(k), is_causal=False)
-        world, rank = cp.world_size, cp.rank
-        ranges = causal_key_ranges(cp.load_balancer, world, rank, q_len)
-        query_positions = sharded_sequence_positions(cp.load_balancer, world, q_len, q.device)[rank * q_len : (rank + 1) * q_len]
-        key_positions = gathered_key_positions(cp.load_balancer, world, q_len, q.device)
-        keys = cp.gather_keys(k)
-        # One call per stretch of queries (two under head-tail), each over only the keys it may see.
-        maxima = [
-            record(q[:, :, q0:q1], keys[:, :, k0:k1], query_positions=query_positions[q0:q1], key_positions=key_positions[k0:k1])
-            for q0, q1, k0, k1 in ranges
-        ]
-        return torch.stack(maxima).amax(dim=0)
 
     def _update(self, index: int, first_head: int, observed: Tensor) -> None:
         if self.max_logits.device != observed.device:  # the model moved after the recorder was built
