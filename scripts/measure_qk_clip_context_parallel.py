@@ -104,7 +104,8 @@ def main() -> None:
     element = 4  # fp32
     local_keys = BATCH * KV_HEADS * (args.seq // args.world) * HEAD_DIM * element
     print(f"W = {args.world}, sequence {args.seq}, batch {BATCH}, {Q_HEADS} query / {KV_HEADS} KV heads of {HEAD_DIM}, fp32, 1 thread per rank")
-    print("| per rank, CPU ms (best of %d) | %s |" % (args.repeats, " | ".join(f"rank {r}" for r in sorted(results))))
+    ranks = " | ".join(f"rank {r}" for r in sorted(results))
+    print(f"| per rank, CPU ms (best of {args.repeats}) | {ranks} |")
     print("|---|" + "---|" * len(results))
     for name in results[0]:
         print(f"| {name} | " + " | ".join(f"{results[r][name]:.1f}" for r in sorted(results)) + " |")

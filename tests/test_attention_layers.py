@@ -16,7 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    checkpoint_wrapper,
+)
 from torchtitan.models.deepseek_v3 import deepseekv3_args
 from torchtitan.models.deepseek_v3.model.model import DeepSeekV3Model
 from torchtitan.models.llama3 import llama3_args
@@ -146,7 +148,7 @@ def test_split_clip_and_recorder_agree_on_torchtitan_030_fused_wqkv():
 
 
 def test_wrapped_layers_keep_parameter_fqns_for_split_and_clean_names_for_clip():
-    model, args = llama3_debug(n_kv_heads=4)
+    model, _ = llama3_debug(n_kv_heads=4)
     for index, block in list(model.layers.items()):
         model.layers[index] = checkpoint_wrapper(block)
     layers = find_attention_layers(model)

@@ -19,6 +19,7 @@ checked against brute force in tests/test_clip.py.
 """
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -26,10 +27,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from distributed import run_distributed
 from test_clip import SEQ, llama, mla, tokens
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.experimental._attention import _ContextParallel, _HeadTailLoadBalancer
+from torch.distributed.tensor.experimental._attention import (
+    _ContextParallel,
+    _HeadTailLoadBalancer,
+)
 from torch.distributed.tensor.parallel import parallelize_module
+from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.context_parallel import prepare_context_parallel_input
 from torchtitan.models.attention import ScaledDotProductAttentionWrapper
 
@@ -42,6 +46,11 @@ from titan_muon.attention_logits import (
     sharded_sequence_positions,
 )
 from titan_muon.clip import QKClip
+from titan_muon.torchtitan.cpu import use_cpu_device
+from titan_muon.torchtitan.qk_clip import (
+    build_model_part_qk_clips,
+    use_context_parallel_load_balancer,
+)
 
 TIMEOUT = 300.0  # each rank builds two small models and runs one step: seconds, even on a loaded CPU
 
@@ -187,7 +196,9 @@ def sgd_step(model, forward, tokens_in_batch, reduce_gradients=None):
 def _cp_run(rank, world, model_kind, load_balancer):
     build = {"gqa": llama, "mla": mla}[model_kind]
     batch = tokens(batch=2)  # (2, SEQ): the same whole sequences on every rank
-    cp_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+    use_cpu_device()
+    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=world, tp=1, pp=1, ep=1, etp=1, world_size=world)
+    cp_mesh = dims.get_mesh("cp")
     cp_group = cp_mesh.get_group()
 
     # CP 1: the whole sequence in one process.
@@ -209,7 +220,12 @@ def _cp_run(rank, world, model_kind, load_balancer):
         model(local_tokens, positions=positions)
     unaware.remove()
 
-    qk_clip = QKClip(model, tau=1.0, context_parallel=ContextParallelSequence(cp_group, load_balancer))
+    # As the torchtitan adapter builds it (the CP layout from the cp mesh, the world as the group),
+    # then told the run's load balancer as titan_muon's trainer does.
+    (qk_clip,) = build_model_part_qk_clips([model], SimpleNamespace(qk_clip_tau=1.0, qk_clip_alpha=0.5, qk_clip_recording="auto"), dims)
+    assert qk_clip.group is None and qk_clip.recorder.context_parallel.load_balancer == "headtail"
+    use_context_parallel_load_balancer([qk_clip], load_balancer)
+    assert qk_clip.recorder.context_parallel == ContextParallelSequence(cp_group, load_balancer)
 
     def sum_gradients_over_cp(m):  # what FSDP over dp_shard x cp does with the gradients
         for p in m.parameters():
@@ -260,7 +276,7 @@ def test_context_parallel_records_and_clips_as_one_process(model_kind, load_bala
         # Weights after SGD (gradients summed over the CP ranks in another order) and the clip:
         # relative rounding of the same size, on weights of O(0.4).
         for name, weight in result["reference_weights"].items():
-            torch.testing.assert_close(result["weights"][name], weight, rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {rank} {name}: {m}")
+            torch.testing.assert_close(result["weights"][name], weight, rtol=1e-5, atol=1e-6, msg=lambda m, rank=rank, name=name: f"rank {rank} {name}: {m}")
     # Every rank ends with the same weights (the all-reduced maxima are identical).
     for name in results[0]["weights"]:
         assert torch.equal(results[0]["weights"][name], results[1]["weights"][name])

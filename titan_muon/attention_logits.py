@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import inspect
 import math
-from functools import partial
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -33,7 +33,11 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.nn.attention.flex_attention import AuxOutput, AuxRequest
 
-from titan_muon.attention_layers import AttentionLayer, describe_attention, find_attention_layers
+from titan_muon.attention_layers import (
+    AttentionLayer,
+    describe_attention,
+    find_attention_layers,
+)
 from titan_muon.layout import local_block
 
 CPU_BLOCK_BYTES = 4 << 20

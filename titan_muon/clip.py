@@ -36,7 +36,11 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from titan_muon.attention_layers import AttentionLayer, find_attention_layers
-from titan_muon.attention_logits import ContextParallelSequence, MaxLogitRecorder, held_rows
+from titan_muon.attention_logits import (
+    ContextParallelSequence,
+    MaxLogitRecorder,
+    held_rows,
+)
 from titan_muon.update import local_shard
 
 logger = logging.getLogger(__name__)
