@@ -50,7 +50,9 @@ from torchtitan.components.checkpointer import CheckpointManager  # noqa: E402
 from torchtitan.config import ConfigManager, apply_overrides  # noqa: E402
 from torchtitan.models.common.attention import FlexAttention  # noqa: E402
 
+from titan_muon.attention_layers import find_attention_layers  # noqa: E402
 from titan_muon.clip import QKClip  # noqa: E402
+from titan_muon.split import attention_row_blocks  # noqa: E402
 from titan_muon.torchtitan import config as optimizer_section  # noqa: E402
 from titan_muon.torchtitan.checkpoint import CheckpointError, check_before_resume  # noqa: E402
 from titan_muon.torchtitan.data import (  # noqa: E402
@@ -236,6 +238,24 @@ def test_recorded_max_is_the_max_of_the_logits_softmax_sees(name, attention, eag
         torch.testing.assert_close((logits.softmax(-1) @ v64).transpose(1, 2), output.double(), rtol=1e-4, atol=1e-5)
         expected = logits.amax(dim=(0, 2, 3))
         torch.testing.assert_close(qk_clip.recorder.max_logits[index].double(), expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name, kind", [("llama3", "fused_wqkv"), ("llama3_unfused", "gqa"), ("mla", "mla")])
+def test_split_clip_and_recorder_find_the_same_030_attention_layers(name, kind):
+    """One finder (titan_muon.attention_layers) on 0.3.0's own modules: Split cuts, QK-clip scales and
+    the recorder hooks exactly the layers and projections it reports."""
+    model = attention_model(name, "sdpa")
+    layers = find_attention_layers(model)
+    assert [layer.kind for layer in layers] == [kind] * len(model.layers)
+    blocks = attention_row_blocks(model)
+    assert set(blocks) == {layer.weight_fqn(p) for layer in layers for p in layer.projection_names()}
+    assert set(blocks) <= {n for n, _ in model.named_parameters()}
+    qk_clip = QKClip(model)
+    assert [(c.name, c.module) for c in qk_clip.layers] == [(f.name, f.module) for f in layers]
+    assert qk_clip.recorder.layers == [layer.module for layer in layers]
+    for layer in qk_clip.layers:
+        assert model.get_parameter(layer.weight_fqn(layer.query_projection_name)) is layer.query_projection.weight
+    qk_clip.remove()
 
 
 @pytest.mark.parametrize("name", ["llama3", "llama3_unfused", "mla"])
