@@ -113,26 +113,35 @@ def test_bad_load_balancers_are_named():
         sharded_sequence_positions("headtail", 2, 5)
 
 
-@pytest.mark.parametrize("block_bytes", [None, 3 * 13 * 4])  # one block, or 1 query row a block
-def test_positional_causal_mask_equals_the_dense_max(block_bytes):
+# fp32: sums of 8 products, ~1e-7 relative. bf16 (the per-head 2-D matmul path on CPU): the
+# reference takes the same bf16 inputs in fp64, the recording rounds each logit once to bf16
+# (2^-8 relative) after accumulating in fp32.
+TOLERANCES = {torch.float32: 1e-6, torch.bfloat16: 2**-8}
+
+
+@pytest.mark.parametrize("dtype", TOLERANCES)
+@pytest.mark.parametrize("block_bytes", [None, 3 * 13 * 2])  # one block, or 1 query row a block
+def test_positional_causal_mask_equals_the_dense_max(block_bytes, dtype):
     """Queries at some positions against keys in a shuffled order, masked by position, against a dense
-    fp64 reference; both take the max of the same fp32 dot products (length 8) up to rounding."""
+    fp64 reference from the same inputs."""
     g = torch.Generator().manual_seed(0)
-    q, k = torch.randn(2, 6, 5, 8, generator=g), torch.randn(2, 3, 13, 8, generator=g)
+    q, k = torch.randn(2, 6, 5, 8, generator=g).to(dtype), torch.randn(2, 3, 13, 8, generator=g).to(dtype)
     key_positions = torch.randperm(13, generator=g)
     query_positions = key_positions[[1, 4, 7, 8, 12]]  # this "rank's" queries, as in context parallel
     got = block_max_logits(q, k, query_positions=query_positions, key_positions=key_positions, block_bytes=block_bytes)
     logits = torch.einsum("bhid,bhjd->bhij", q.double(), k.double().repeat_interleave(2, dim=1)) / math.sqrt(8)
     allowed = key_positions[None, :] <= query_positions[:, None]
     expected = logits.masked_fill(~allowed, -math.inf).amax(dim=(0, 2, 3))
-    torch.testing.assert_close(got.double(), expected, rtol=1e-6, atol=1e-6)  # fp32 sums of 8 products: ~1e-7
+    tolerance = TOLERANCES[dtype]
+    torch.testing.assert_close(got.double(), expected, rtol=tolerance, atol=tolerance)
     # The same with the mask applied only where a key can follow a query: here sorted keys, the
     # queries' own stretch last, as in context parallel's contiguous slices.
     sorted_keys = torch.arange(13)
     own = torch.arange(8, 13)
     windowed = block_max_logits(q, k, query_positions=own, key_positions=sorted_keys, masked_keys=(8, 13), block_bytes=block_bytes)
     allowed = sorted_keys[None, :] <= own[:, None]
-    torch.testing.assert_close(windowed.double(), logits.masked_fill(~allowed, -math.inf).amax(dim=(0, 2, 3)), rtol=1e-6, atol=1e-6)
+    expected = logits.masked_fill(~allowed, -math.inf).amax(dim=(0, 2, 3))
+    torch.testing.assert_close(windowed.double(), expected, rtol=tolerance, atol=tolerance)
     with pytest.raises(ValueError, match="positions of shapes"):
         block_max_logits(q, k, query_positions=query_positions[:3], key_positions=key_positions)
 
