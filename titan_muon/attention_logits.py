@@ -15,7 +15,10 @@ checkpointing's recompute is skipped: it repeats a recorded forward) without bui
 (:func:`block_budget`), one batched matmul of strided views per block, sequence and position
 in a GQA group.
 Under tensor parallelism a rank sees only its heads; they go to their global head slots,
-found from the global rows of the query projection it holds.
+found from the global rows of the query projection it holds. Under context parallelism a rank
+sees only its slice of the sequence: its queries are taken against every rank's keys, gathered
+and masked by global position (:class:`ContextParallelSequence`, :func:`context_parallel_max_logits`).
+The layers themselves are found by :mod:`titan_muon.attention_layers`.
 """
 
 from __future__ import annotations
