@@ -50,7 +50,9 @@ from torchtitan.components.checkpointer import CheckpointManager  # noqa: E402
 from torchtitan.config import ConfigManager, apply_overrides  # noqa: E402
 from torchtitan.models.common.attention import FlexAttention  # noqa: E402
 
+from titan_muon.attention_layers import find_attention_layers  # noqa: E402
 from titan_muon.clip import QKClip  # noqa: E402
+from titan_muon.split import attention_row_blocks  # noqa: E402
 from titan_muon.torchtitan import config as optimizer_section  # noqa: E402
 from titan_muon.torchtitan.checkpoint import CheckpointError, check_before_resume  # noqa: E402
 from titan_muon.torchtitan.data import (  # noqa: E402
@@ -180,9 +182,9 @@ def test_every_shipped_toml_builds_a_030_config(name):
     check_supported(config)
 
 
-def test_qk_clip_is_refused_where_0_2_2_refuses_it_and_with_cuda_graphs():
+def test_qk_clip_is_refused_under_0_3_0_context_parallel_and_with_cuda_graphs():
     config = parse(["--job.config_file", MUON, "--parallelism.context_parallel_degree", "2"])
-    with pytest.raises(ValueError, match="qk_clip = true cannot be used with .* context_parallel_degree = 2"):
+    with pytest.raises(ValueError, match="qk_clip cannot be used with parallelism.context_parallel_degree = 2 under torchtitan 0.3.0"):
         check_supported(config)
     config = parse(["--job.config_file", MUON, "--training.no-disable_cuda_graphs"])
     with pytest.raises(ValueError, match="qk_clip records max attention logits with Python hooks"):
@@ -266,6 +268,24 @@ def test_recorded_max_is_the_max_of_the_logits_softmax_sees(name, attention, eag
         torch.testing.assert_close((logits.softmax(-1) @ v64).transpose(1, 2), output.double(), rtol=1e-4, atol=1e-5)
         expected = logits.amax(dim=(0, 2, 3))
         torch.testing.assert_close(qk_clip.recorder.max_logits[index].double(), expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name, kind", [("llama3", "fused_wqkv"), ("llama3_unfused", "gqa"), ("mla", "mla")])
+def test_split_clip_and_recorder_find_the_same_030_attention_layers(name, kind):
+    """One finder (titan_muon.attention_layers) on 0.3.0's own modules: Split cuts, QK-clip scales and
+    the recorder hooks exactly the layers and projections it reports."""
+    model = attention_model(name, "sdpa")
+    layers = find_attention_layers(model)
+    assert [layer.kind for layer in layers] == [kind] * len(model.layers)
+    blocks = attention_row_blocks(model)
+    assert set(blocks) == {layer.weight_fqn(p) for layer in layers for p in layer.projection_names()}
+    assert set(blocks) <= {n for n, _ in model.named_parameters()}
+    qk_clip = QKClip(model)
+    assert [(c.name, c.module) for c in qk_clip.layers] == [(f.name, f.module) for f in layers]
+    assert qk_clip.recorder.layers == [layer.module for layer in layers]
+    for layer in qk_clip.layers:
+        assert model.get_parameter(layer.weight_fqn(layer.query_projection_name)) is layer.query_projection.weight
+    qk_clip.remove()
 
 
 @pytest.mark.parametrize("name", ["llama3", "llama3_unfused", "mla"])

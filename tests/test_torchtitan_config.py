@@ -136,17 +136,17 @@ def test_qk_clip_with_another_optimizer_is_refused(name):
     validate_optimizer_config(optimizer)
 
 
-def test_qk_clip_under_context_parallel_is_refused():
+def test_qk_clip_under_context_parallel_reduces_over_the_cp_ranks():
+    """Context parallel is recorded (tests/test_clip_context_parallel.py), no longer refused; the
+    reduction group without pipeline parallel is the world, which holds every CP rank."""
     from torchtitan.distributed import ParallelDims
 
-    from titan_muon.torchtitan.qk_clip import qk_clip_group
+    from titan_muon.torchtitan.qk_clip import context_parallel_sequence, qk_clip_group
 
     dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=2, tp=1, pp=1, ep=1, etp=1, world_size=2)
-    # Checked before any mesh is built: the same error on every rank, no collective.
-    with pytest.raises(ValueError, match=r"\[optimizer\] qk_clip = true .*\[parallelism\] context_parallel_degree = 2"):
-        qk_clip_group(dims)
-    with pytest.raises(ValueError, match=r"context_parallel_degree = 2"):
-        MuonOptimizersContainer([tiny_llama()], parse().optimizer, dims)
+    assert qk_clip_group(dims) is None  # checked without building a mesh: no collective
+    no_cp = ParallelDims(dp_replicate=1, dp_shard=2, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=2)
+    assert context_parallel_sequence(no_cp) is None
 
 
 def test_muon_without_config_module_is_explained(tmp_path):

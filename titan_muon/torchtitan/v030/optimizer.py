@@ -29,8 +29,8 @@ With ``qk_clip = true`` it runs MuonClip after every step exactly as the 0.2.2 c
 (the same :class:`titan_muon.torchtitan.qk_clip.QKClipAfterStep`): max logits recorded by hooks on
 each attention's inner attention, one MAX all-reduce over the ranks that hold the same layers, the
 clip of the q and k rows (fused ``qkv_linear.wqkv`` or separate ``wq`` / ``wk``, MLA's ``wq`` /
-``wq_b`` and ``wkv_b``), and the ``qk_clip/*`` metrics. Context parallel is refused
-(titan_muon.torchtitan.v030.trainer).
+``wq_b`` and ``wkv_b``), and the ``qk_clip/*`` metrics. Context parallel is refused under 0.3.0
+(titan_muon.torchtitan.v030.trainer; 0.2.2 records it).
 
 Pipeline parallel: 0.3.0 builds the container without the parallel dims, which the 0.2.2 container
 gets at construction. A stage's container knows it is one from its model parts (torchtitan's split
