@@ -161,7 +161,9 @@ class Muon(Optimizer):
         super().add_param_group(param_group)
         settings.validate_group(self.param_groups[-1], len(self.param_groups) - 1, given, self.defaults["eps"])
         if self._layout_ready:  # a group added after construction: plan again (collectively)
+            owner_momentum = checkpoint.owner_momentum_like_params(self)  # owner blocks are keyed by the plan's units
             self._build_layout()
+            checkpoint.momentum_back_to_owners(self, owner_momentum)
 
     def set_pipeline_group(self, pipeline_group) -> None:
         """Join this rank's pipeline after construction (the ``pipeline_group`` argument, given

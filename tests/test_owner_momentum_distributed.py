@@ -1,0 +1,141 @@
+"""Momentum held by the owners (overlap=True, demo=True) across what changes an optimizer's
+plan or hooks after construction: add_param_group after steps, load_state_dict, frozen
+parameters, gradients present on some ranks only.
+
+Every run goes through tests/distributed.py (spawned gloo ranks, a hard timeout).
+"""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import Shard, distribute_tensor
+
+from common import FP32_ULP, assert_within, grads_for, make_params
+from distributed import run_distributed
+from reference import ReferenceMuonAdamW
+from titan_muon import Muon
+
+pytestmark = pytest.mark.timeout(600)
+RUN_TIMEOUT = 240  # seconds per distributed run; a run takes a few seconds on an idle 2-core machine
+
+# Uneven rows on 2 ranks (63, 3 rows), wide and tall, plus AdamW tensors.
+SHAPES = {"a": (30, 64), "b": (63, 64), "c": (3, 256), "d": (64, 30), "e": (48, 48), "emb": (50, 16), "bias": (17,)}
+FIRST_MUON, LATER_MUON = ("a", "b", "c"), ("d", "e")  # "d", "e" join in a param group added after steps
+ADAMW = ("emb", "bias")
+SETTINGS = dict(lr=0.02, weight_decay=0.1, momentum=0.9, adjust_lr_fn="match_rms_adamw", exchange_memory_mb=0.01)
+STEPS_BEFORE, STEPS_AFTER = 2, 2
+
+
+def _sharded_module(mesh, names=tuple(SHAPES)):
+    module = nn.Module()
+    for name, full in make_params(0, SHAPES).items():
+        if name in names:
+            module.register_parameter(name, nn.Parameter(distribute_tensor(full, mesh, [Shard(0)], src_data_rank=None)))
+    return module
+
+
+def _backward(module, step, mesh):
+    """A backward whose gradients are the one-process run's (grads_for): loss = Σ <p, g>, so
+    each parameter's post-accumulate-grad hook fires as under FSDP2."""
+    full = grads_for(step, {n: torch.empty(SHAPES[n]) for n in SHAPES})
+    loss = sum((p * distribute_tensor(full[n], mesh, [Shard(0)], src_data_rank=None)).sum() for n, p in module.named_parameters())
+    loss.backward()
+
+
+# ------------------------------------------------ add_param_group after steps
+
+
+def _add_group_after_steps(rank, world, overlap):
+    mesh = init_device_mesh("cpu", (world,))
+    module = _sharded_module(mesh)
+    named = dict(module.named_parameters())
+    groups = [
+        {"params": [(n, named[n]) for n in FIRST_MUON]},
+        {"params": [(n, named[n]) for n in ADAMW], "use_muon": False},
+    ]
+    opt = Muon(groups, overlap=overlap, **SETTINGS)
+    for step in range(STEPS_BEFORE + STEPS_AFTER):
+        if step == STEPS_BEFORE:  # re-plans: the owners and rounds of "a", "b", "c" change
+            opt.add_param_group({"params": [(n, named[n]) for n in LATER_MUON]})
+        full = grads_for(step, {n: torch.empty(SHAPES[n]) for n in SHAPES})
+        for name, p in named.items():
+            if step >= STEPS_BEFORE or name not in LATER_MUON:
+                p.grad = distribute_tensor(full[name], mesh, [Shard(0)], src_data_rank=None)
+        opt.step()
+        opt.zero_grad()
+    return {n: p.full_tensor() for n, p in named.items()}
+
+
+def _reference_add_group_after_steps():
+    params = make_params(0, SHAPES)
+    ref = ReferenceMuonAdamW(lr=SETTINGS["lr"], weight_decay=SETTINGS["weight_decay"], momentum=SETTINGS["momentum"],
+                             adjust_lr_fn=SETTINGS["adjust_lr_fn"])  # fmt: skip
+    for step in range(STEPS_BEFORE + STEPS_AFTER):
+        stepped = {n: p for n, p in params.items() if step >= STEPS_BEFORE or n not in LATER_MUON}
+        full = grads_for(step, {n: torch.empty(SHAPES[n]) for n in SHAPES})
+        ref.step(stepped, {n: full[n] for n in stepped}, {n: n not in ADAMW for n in stepped})
+    return params
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_add_param_group_after_steps_keeps_each_matrix_momentum(overlap):
+    """Adding a group re-plans: owner-held momentum (overlap=True) used to stay keyed by the old
+    unit indices and fed other matrices' momentum to Newton-Schulz (1.5e-2 off the reference)."""
+    expected = _reference_add_group_after_steps()
+    for rank, params in enumerate(run_distributed(_add_group_after_steps, 2, overlap, timeout=RUN_TIMEOUT)):
+        for name, tensor in expected.items():
+            # The reference's math in fp32, term by term; Muon fuses NS's polynomial and runs it
+            # batched by shape on the owner. Each of 4 updates (<= lr·0.2·√64·1.2 ≈ 0.04) is
+            # rounded in fp32 (~2^-24 relative) and moved by NS's gain on these full-rank random
+            # inputs (<= ~30, docs/reliability.md): ~1e-6 of O(4) weights. AdamW is elementwise,
+            # the same up to its bias-correction order. A momentum handed to the wrong matrix
+            # moves a weight by ~1e-2; 1e-5 separates the two.
+            assert_within(params[name], tensor, 1e-5, f"rank {rank} overlap={overlap} {name}")
+
+
+# DeMo: 2 replicas x 2 shards, compared with the same run holding every group from the start
+# (the later group's parameters without gradients until then: no update, no state change).
+
+DEMO_SETTINGS = dict(lr=0.02, weight_decay=0.01, momentum=0.99, nesterov=False, ns_algorithm="standard",
+                     exchange_memory_mb=0.01, demo_chunk=16, demo_topk=4, demo_alpha=0.2)  # fmt: skip
+
+
+def _demo_add_group_after_steps(rank, world, add_later):
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    replica = mesh.get_coordinate()[0]
+    module = nn.Module()
+    for name, full in make_params(0, SHAPES).items():
+        module.register_parameter(name, nn.Parameter(full.clone()))
+    fully_shard(module, mesh=mesh["shard"])
+    named = dict(module.named_parameters())
+    first = [(n, named[n]) for n in FIRST_MUON] + ([] if add_later else [(n, named[n]) for n in LATER_MUON])
+    groups = [{"params": first}, {"params": [(n, named[n]) for n in ADAMW], "use_muon": False}]
+    opt = Muon(groups, demo=True, replicate_group=mesh.get_group("replicate"), **DEMO_SETTINGS)
+    for step in range(STEPS_BEFORE + STEPS_AFTER):
+        if step == STEPS_BEFORE and add_later:
+            opt.add_param_group({"params": [(n, named[n]) for n in LATER_MUON]})
+        full = grads_for(10 * step + replica, {n: torch.empty(SHAPES[n]) for n in SHAPES})  # every replica its own
+        for name, p in named.items():
+            if step >= STEPS_BEFORE or name not in LATER_MUON:
+                p.grad = distribute_tensor(full[name], p.device_mesh, p.placements, src_data_rank=None)
+        opt.step()
+        opt.zero_grad()
+    return {n: p.full_tensor() for n, p in named.items()}
+
+
+def test_demo_add_param_group_after_steps_keeps_each_matrix_momentum():
+    """DeMo's owner blocks were keyed by unit index too (8.8e-3 off after adding a group)."""
+    from_start = run_distributed(_demo_add_group_after_steps, 4, False, timeout=RUN_TIMEOUT)
+    added = run_distributed(_demo_add_group_after_steps, 4, True, timeout=RUN_TIMEOUT)
+    for rank, (a, b) in enumerate(zip(from_start, added)):
+        for name, tensor in a.items():
+            # Both runs do the same fp32 math on the same gradients; before the group is added
+            # the plans differ, so NS may batch "a", "b", "c" with other shapes' matrices and
+            # GEMM kernels may sum in another order: a few fp32 ulps of each update (<= 0.04).
+            # A momentum handed to another matrix moves a weight by ~1e-2.
+            assert_within(b[name], tensor, 1e-5, f"rank {rank} {name}")
+
