@@ -139,3 +139,54 @@ def test_demo_add_param_group_after_steps_keeps_each_matrix_momentum():
             # A momentum handed to another matrix moves a weight by ~1e-2.
             assert_within(b[name], tensor, 1e-5, f"rank {rank} {name}")
 
+
+# ------------------------------------------------ load_state_dict with overlap
+
+
+def _backward_all_to_alls(module, step, mesh) -> int:
+    """How many all-to-alls one backward starts (overlap sends each completed round)."""
+    import torch.distributed as dist
+
+    original, calls = dist.all_to_all_single, []
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    dist.all_to_all_single = counting
+    try:
+        _backward(module, step, mesh)
+    finally:
+        dist.all_to_all_single = original
+    return len(calls)
+
+
+def _hooks_after_loads(rank, world, loads):
+    mesh = init_device_mesh("cpu", (world,))
+    module = _sharded_module(mesh)
+    named = dict(module.named_parameters())
+    groups = [
+        {"params": [(n, named[n]) for n in (*FIRST_MUON, *LATER_MUON)]},
+        {"params": [(n, named[n]) for n in ADAMW], "use_muon": False},
+    ]
+    opt = Muon(groups, overlap=True, **SETTINGS)
+    sends = [_backward_all_to_alls(module, 0, mesh)]
+    opt.step()
+    opt.zero_grad()
+    for load in range(loads):  # every resume
+        opt.load_state_dict(opt.state_dict())
+        sends.append(_backward_all_to_alls(module, 1 + load, mesh))
+        opt.step()
+        opt.zero_grad()
+    hooks = {n: len(named[n]._post_accumulate_grad_hooks or {}) for n in (*FIRST_MUON, *LATER_MUON)}
+    return {"sends": sends, "hooks": hooks, "params": {n: p.full_tensor() for n, p in named.items()}}
+
+
+def test_load_state_dict_leaves_one_gradient_hook_per_parameter():
+    """Every load_state_dict re-planned without removing the previous hooks: after 1, 2, 3
+    loads each parameter had 2, 3, 4 hooks and backward sent every round 2x, 3x, 4x."""
+    for rank, result in enumerate(run_distributed(_hooks_after_loads, 2, 3, timeout=RUN_TIMEOUT)):
+        assert set(result["hooks"].values()) == {1}, (rank, result["hooks"])
+        assert result["sends"][0] > 0, "no round was sent during backward"
+        assert result["sends"] == [result["sends"][0]] * 4, (rank, result["sends"])
+

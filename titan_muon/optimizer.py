@@ -482,7 +482,9 @@ class Muon(Optimizer):
     def __setstate__(self, state: dict) -> None:
         """A copy (``copy.deepcopy``) plans its layout again: a collective, like construction."""
         super().__setstate__(state)
-        self._overlaps, self._metrics, self._metrics_read = [], {}, None
+        # torch's load_state_dict comes here too: its gradient hooks must go before the re-plan adds new ones
+        self._overlaps = self.__dict__.get("_overlaps", [])
+        self._metrics, self._metrics_read = {}, None
         self._build_layout()
 
     def state_dict(self) -> dict:
