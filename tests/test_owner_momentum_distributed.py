@@ -190,3 +190,42 @@ def test_load_state_dict_leaves_one_gradient_hook_per_parameter():
         assert result["sends"][0] > 0, "no round was sent during backward"
         assert result["sends"] == [result["sends"][0]] * 4, (rank, result["sends"])
 
+
+# ------------------------------------------------ a frozen Muon parameter
+
+
+def _frozen_parameter(rank, world, overlap):
+    mesh = init_device_mesh("cpu", (world,))
+    module = _sharded_module(mesh)
+    named = dict(module.named_parameters())
+    named["b"].requires_grad_(False)  # frozen: never gets a gradient
+    groups = [
+        {"params": [(n, named[n]) for n in (*FIRST_MUON, *LATER_MUON)]},
+        {"params": [(n, named[n]) for n in ADAMW], "use_muon": False},
+    ]
+    opt = Muon(groups, overlap=overlap, **SETTINGS)
+    sent_in_backward = []
+    for step in range(3):
+        if step == 2:  # unfrozen: its momentum starts from zero, as overlap=False keeps it
+            named["b"].requires_grad_(True)
+        _backward(module, step, mesh)
+        opt.step()
+        opt.zero_grad()
+        sent_in_backward.append(opt.last_step_metrics.get("muon/rounds_sent_in_backward", 0.0))
+    return {"params": {n: p.full_tensor() for n, p in named.items()}, "sent_in_backward": sent_in_backward}
+
+
+def test_frozen_muon_parameter_with_overlap_equals_no_overlap():
+    """overlap=True used to fail at construction (a gradient hook on a frozen parameter). A
+    frozen parameter gets no gradient: it keeps its weights and momentum, like overlap=False."""
+    plain = run_distributed(_frozen_parameter, 2, False, timeout=RUN_TIMEOUT)
+    overlapped = run_distributed(_frozen_parameter, 2, True, timeout=RUN_TIMEOUT)
+    initial = make_params(0, SHAPES)
+    for rank, (a, b) in enumerate(zip(plain, overlapped)):
+        for name, tensor in a["params"].items():
+            # No gradient clipping: both modes build fp32 momentum from the same fp32 gradients
+            # and orthogonalize the same matrices (test_overlap_equals_no_overlap_exactly_without_clipping).
+            assert torch.equal(b["params"][name], tensor), (rank, name)
+        assert b["sent_in_backward"][1] > 0, "rounds without the frozen parameter should still leave during backward"
+    # while frozen, "b" did not move (the third step moved it once, from its initial weights)
+    assert not torch.equal(plain[0]["params"]["b"], initial["b"])

@@ -84,6 +84,7 @@ class Launch:
     exchange: Exchange
     sums: Tensor  # (params of the round, SUMS) at send time
     valid: bool  # False if packing failed on this rank (its buffer travelled but will not be used)
+    without_gradient: set[int] = field(default_factory=set)  # parameters sent as zeros (frozen)
 
 
 @dataclass
@@ -107,8 +108,12 @@ class BackwardOverlap:
         self.params, self.engine = params, engine
         plan = engine.plan
         self.params_of = [sorted({plan.units[u].param for u in members}) for members in plan.rounds]
+        # A frozen parameter (requires_grad=False) gets no hook and no gradient: a round waits for
+        # the others only (one of frozen parameters alone is sent from step()). Its pieces travel
+        # as zeros, and step() leaves it alone (no gradient on any rank), as without overlap.
+        self.waits_for = [[i for i in members if params[i].param.requires_grad] for members in self.params_of]
         self.rounds_of: dict[int, list[int]] = defaultdict(list)
-        for r, members in enumerate(self.params_of):
+        for r, members in enumerate(self.waits_for):
             for index in members:
                 self.rounds_of[index].append(r)
         self.entries = [(r, index) for r, members in enumerate(self.params_of) for index in members]
@@ -152,7 +157,7 @@ class BackwardOverlap:
     def _on_grad_ready(self, index: int) -> None:
         self.fires[index] += 1
         for r in self.rounds_of[index]:
-            fired = min(self.fires[i] for i in self.params_of[r])
+            fired = min(self.fires[i] for i in self.waits_for[r])
             if fired >= self.expected[r] and fired > self.sent_round[r]:
                 self.sent_round[r] = fired
                 with phase("backward_send"):
@@ -170,15 +175,26 @@ class BackwardOverlap:
         exchange = self.engine.launch(r, torch.float32, self._fill, failure, MemoryAccount())
         tables = self.engine.tables[r]
         self.bytes_sent += 4 * (tables.send_numel - tables.send_counts[self.engine.rank])
+        without = {i for i in self.params_of[r] if self.params[i].param.grad is None}
         try:
-            sums = torch.stack([gradient_sums(self._grad_stack(i), *self._block_offsets(i)) for i in self.params_of[r]])
+            sums = torch.stack([self._sums_now(i) for i in self.params_of[r]])
         except Exception as error:  # noqa: BLE001
             failure.record(error, "gradient sums")
             sums = torch.zeros(len(self.params_of[r]), SUMS, dtype=torch.float64, device=self.engine.device)
-        self.launches[r] = Launch(exchange, sums, failure.error is None)
+        self.launches[r] = Launch(exchange, sums, failure.error is None, without)
 
     def _fill(self, piece, slot: Tensor) -> None:
-        slot.copy_(local_piece(self._grad_stack(self.engine.units[piece.unit].param), piece))
+        index = self.engine.units[piece.unit].param
+        if self.params[index].param.grad is None:  # frozen: zeros, as step() sends them
+            slot.zero_()
+        else:
+            slot.copy_(local_piece(self._grad_stack(index), piece))
+
+    def _sums_now(self, index: int) -> Tensor:
+        """The sums of a parameter's gradient block; zeros without a gradient."""
+        if self.params[index].param.grad is None:
+            return torch.zeros(SUMS, dtype=torch.float64, device=self.engine.device)
+        return gradient_sums(self._grad_stack(index), *self._block_offsets(index))
 
     def _grad_stack(self, index: int) -> Tensor:
         entry = self.params[index]
@@ -202,11 +218,13 @@ class BackwardOverlap:
             for r, launch in self.launches.items():
                 start, members = self.entry_start[r], self.params_of[r]
                 unsent[r] = 0.0
-                if not launch.valid or any(i not in now for i in members):
+                # a gradient gone since the send fails the round; one that appeared is a mismatch
+                if not launch.valid or any(i not in now and i not in launch.without_gradient for i in members):
                     failed[r] = 1.0
                     continue
                 sent[start : start + len(members)] = launch.sums
-                final[start : start + len(members)] = torch.stack([now[i] for i in members])
+                final[start : start + len(members)] = torch.stack([now[i] if i in now else launch.sums[k]
+                                                                   for k, i in enumerate(members)])  # fmt: skip
         return torch.cat([unsent, failed, sent.reshape(-1), final.reshape(-1)])
 
     def compare(self, reduced: Tensor) -> Tensor:
@@ -256,7 +274,7 @@ class BackwardOverlap:
 
     def _end_step(self) -> None:
         for r in range(self.rounds):
-            fired = min(self.fires[i] for i in self.params_of[r])
+            fired = min((self.fires[i] for i in self.waits_for[r]), default=0)
             if fired:  # next step, send on the firing that completed the round this time
                 self.expected[r] = fired
         self.launches.clear()
