@@ -42,7 +42,7 @@ from titan_muon.exchange import ExchangeEngine, MemoryAccount, StepFailure, agre
 from titan_muon.orthogonalizer import NS_WORKSPACE, Orthogonalizer
 from titan_muon.overlap import BackwardOverlap
 from titan_muon.overlap import metrics as overlap_metrics
-from titan_muon.metrics import momentum_bytes_per_element, state_bytes, step_metrics, wire_bytes
+from titan_muon.metrics import momentum_metrics, state_bytes, step_metrics, wire_bytes
 from titan_muon.params import MuonParam, build_units, locate
 from titan_muon.plan import OVERLAP_MIN_ROUNDS, Piece, Unit, build_plan, rank_tables, send_counts_by_round
 from titan_muon.redistribute import Batch, local_piece
@@ -308,10 +308,9 @@ class Muon(Optimizer):
             adamw_step(self.param_groups, self.state, self.adamw_implementation)
         timer.stop("step")
         momentum = [self.state[e.param] for e in self.muon_params] + list(self.owner_blocks.values())
-        per_element = momentum_bytes_per_element(momentum, self.storage.tensor_keys[0])
         demo_metrics = self.replicas.metrics() if self.replicas is not None else {}
         self._set_metrics({**step_metrics(work, timer, self.engines, self.skipped_steps), **overlap_metrics(verdict.early),
-                           "muon/momentum_bytes_per_element": per_element, **demo_metrics})  # fmt: skip
+                           **momentum_metrics(momentum, self.storage.tensor_keys[0]), **demo_metrics})  # fmt: skip
         return loss
 
     def _align_gradients(self) -> None:

@@ -1,0 +1,79 @@
+"""Several model parts per rank (torchtitan's interleaved / virtual-stage pipeline schedules):
+one Muon per part, as the containers hold them (titan_muon/torchtitan/optimizer.py and
+v030/optimizer.py), stepping together.
+"""
+
+import pytest
+from torch import nn
+
+from common import grads_for, make_params
+from titan_muon import Muon
+from titan_muon.metrics import PART_MERGE_RULES
+from titan_muon.torchtitan.muon import merged_step_metrics
+
+# Two parts of different shapes, so that their per-element figures differ: fp8 momentum costs
+# one exponent byte per row and 256 columns, 1 + 1/256 on 256 columns and 1 + 1/30 on 30.
+PART_SHAPES = [{"a": (64, 256), "emb": (50, 16)}, {"d": (64, 30), "e": (3, 30), "bias": (17,)}]
+ADAMW = {"emb", "bias"}
+
+
+def _part(shapes, seed, **settings):
+    tensors = {n: nn.Parameter(t) for n, t in make_params(seed, shapes).items()}
+    groups = [
+        {"params": [(n, t) for n, t in tensors.items() if n not in ADAMW]},
+        {"params": [(n, t) for n, t in tensors.items() if n in ADAMW], "use_muon": False},
+    ]
+    return Muon(groups, **settings), tensors
+
+
+def test_metrics_of_several_parts_merge_by_rule():
+    """Merged metrics used to sum momentum_bytes_per_element (2.1 for two fp8 parts of ~1.05)
+    and average rounds. Against one optimizer holding both parts' parameters (the same
+    matrices, states and updates): ratios weighted by elements, amounts summed, peaks the max."""
+    settings = dict(lr=0.02, momentum_dtype="fp8")
+    parts = [_part(shapes, seed, **settings) for seed, shapes in enumerate(PART_SHAPES)]
+    whole_tensors = {n: nn.Parameter(t.detach().clone()) for _, tensors in parts for n, t in tensors.items()}
+    whole = Muon([{"params": [(n, t) for n, t in whole_tensors.items() if n not in ADAMW]},
+                  {"params": [(n, t) for n, t in whole_tensors.items() if n in ADAMW], "use_muon": False}], **settings)  # fmt: skip
+    # One step: its updates do not depend on how fp8 rounded the stored momentum (stochastic
+    # rounding draws per parameter index, which differs between the parts and the whole).
+    for opt, tensors in parts:
+        for name, grad in grads_for(0, tensors).items():
+            tensors[name].grad = grad
+            whole_tensors[name].grad = grad.clone()
+        opt.step()
+    whole.step()
+    per_part = [opt.last_step_metrics for opt, _ in parts]
+    merged, one = merged_step_metrics([opt for opt, _ in parts]), whole.last_step_metrics
+    assert set(merged) == set(one)
+    # every figure is the sum or the largest of the parts', or weighted by its element count
+    for key in ("muon/ns_flops", "muon/update_elements", "muon/momentum_elements", "muon/rounds"):
+        assert merged[key] == sum(m[key] for m in per_part), key
+    assert merged["muon/peak_transient_bytes"] == max(m["muon/peak_transient_bytes"] for m in per_part)
+    assert merged["muon/skipped_steps"] == 0.0
+    # Same matrices, states and updates as one optimizer: element counts and FLOPs are exact.
+    for key in ("muon/ns_flops", "muon/update_elements", "muon/momentum_elements"):
+        assert merged[key] == one[key], key
+    # Bytes per element: exact ratios of integers, merged in float64 (a few ulps).
+    per_element = merged["muon/momentum_bytes_per_element"]
+    assert per_element == pytest.approx(one["muon/momentum_bytes_per_element"], rel=1e-12)
+    assert 1 < per_element < 1 + 1 / 30
+    # update RMS: the same lr-scaled updates; each part's sum of squares is an fp32 sum in
+    # another grouping than the whole one's (~1e-7 relative).
+    assert merged["muon/update_rms"] == pytest.approx(one["muon/update_rms"], rel=1e-5)
+    # the parts' RMS differ (1.1e-3 on 16384 elements, 3.0e-3 on 2010): their plain mean is 40 % off
+    rms = [m["muon/update_rms"] for m in per_part]
+    assert sum(rms) / 2 != pytest.approx(one["muon/update_rms"], rel=0.1)
+
+
+def test_every_metric_has_a_merge_rule():
+    """A new metric without a rule would be merged wrongly in silence: refused instead."""
+    opt, tensors = _part(PART_SHAPES[0], 0, lr=0.02, overlap=False)
+    for name, grad in grads_for(0, tensors).items():
+        tensors[name].grad = grad
+    opt.step()
+    assert set(opt.last_step_metrics) <= set(PART_MERGE_RULES)
+    with pytest.raises(KeyError, match="muon/new_figure"):
+        from titan_muon.metrics import merge_part_metrics
+
+        merge_part_metrics([{"muon/new_figure": 1.0}])
