@@ -4,6 +4,7 @@ v030/optimizer.py), stepping together.
 """
 
 import pytest
+import torch
 from torch import nn
 
 from common import grads_for, make_params
@@ -77,3 +78,77 @@ def test_every_metric_has_a_merge_rule():
         from titan_muon.metrics import merge_part_metrics
 
         merge_part_metrics([{"muon/new_figure": 1.0}])
+
+
+# ------------------------------------------------ the parts agree on gradients together
+
+PP, DP = 2, 2  # four ranks: two pipeline stages of two FSDP ranks, two model parts per rank
+STAGE_PART_SHAPES = [{"a": (30, 64), "b": (63, 64), "emb": (50, 16)}, {"c": (3, 256), "d": (64, 30), "bias": (17,)}]
+
+
+def _container(optimizers):
+    """torchtitan 0.2.2's container as the trainer steps it (without building a model)."""
+    from titan_muon.torchtitan.optimizer import MuonOptimizersContainer
+
+    container = MuonOptimizersContainer.__new__(MuonOptimizersContainer)
+    container.optimizers, container.qk_clips, container.qk_clip_metrics = optimizers, [], []
+    return container
+
+
+def _parts_run(rank, world, policy, nan_part, overlap):
+    """Two model parts per rank (virtual stages k·PP + stage), each its own Muon with the
+    pipeline group; at step 1 one entry of part `nan_part`'s gradient is NaN on rank 0 only."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (PP, DP), mesh_dim_names=("pp", "dp"))
+    stage = mesh.get_coordinate()[0]
+    parts = []
+    for k, shapes in enumerate(STAGE_PART_SHAPES):
+        module = nn.Module()
+        for name, tensor in make_params(10 * k + stage, shapes).items():
+            module.register_parameter(name, nn.Parameter(distribute_tensor(tensor, mesh["dp"], [Shard(0)])))
+        named = dict(module.named_parameters())
+        groups = [
+            {"params": [(n, p) for n, p in named.items() if n not in ADAMW]},
+            {"params": [(n, p) for n, p in named.items() if n in ADAMW], "use_muon": False},
+        ]
+        opt = Muon(groups, lr=0.02, momentum=0.9, exchange_memory_mb=0.01, nonfinite_grads=policy, overlap=overlap,
+                   pipeline_group=mesh["pp"].get_group())  # fmt: skip
+        parts.append((opt, named, shapes))
+    container = _container([opt for opt, _, _ in parts])
+    outcome = "stepped"
+    for step in range(2):
+        for k, (opt, named, shapes) in enumerate(parts):
+            full = grads_for(step, {n: torch.empty(s) for n, s in shapes.items()})
+            if step == 1 and k == nan_part:
+                first = next(n for n in shapes if n not in ADAMW)
+                full[first][0, 0] = float("nan")  # row 0: rank 0's shard only
+                if dist.get_rank() != 0:
+                    full[first][0, 0] = 0.0
+            for name, p in named.items():
+                p.grad = distribute_tensor(full[name], mesh["dp"], [Shard(0)], src_data_rank=None)
+        before = [{n: p.full_tensor() for n, p in named.items()} for _, named, _ in parts]
+        try:
+            container.step()
+        except FloatingPointError as error:
+            outcome = str(error)
+    after = [{n: p.full_tensor() for n, p in named.items()} for _, named, _ in parts]
+    unchanged = [all(torch.equal(b[n], a[n]) for n in b) for b, a in zip(before, after)]
+    return {"outcome": outcome, "unchanged": unchanged, "skipped": [opt.skipped_steps for opt, _, _ in parts]}
+
+
+@pytest.mark.parametrize("policy", ["skip", "raise"])
+@pytest.mark.parametrize("nan_part", [0, 1])
+def test_a_nonfinite_gradient_in_one_part_skips_or_raises_every_part_on_every_rank(policy, nan_part):
+    """Each part's agreement paired it with the same part elsewhere only: a NaN in part 1
+    skipped part 1 while part 0 had stepped; "raise" raised after part 0 had written."""
+    from distributed import run_distributed
+
+    for rank, result in enumerate(run_distributed(_parts_run, PP * DP, policy, nan_part, False, timeout=240)):
+        assert result["unchanged"] == [True, True], (rank, result)
+        if policy == "skip":
+            assert result["outcome"] == "stepped" and result["skipped"] == [1, 1], (rank, result)
+        else:
+            assert "non-finite" in result["outcome"] and "no parameter or state was changed" in result["outcome"], (rank, result)
