@@ -97,7 +97,9 @@ def _container(optimizers):
 
 def _parts_run(rank, world, policy, nan_part, overlap):
     """Two model parts per rank (virtual stages k·PP + stage), each its own Muon with the
-    pipeline group; at step 1 one entry of part `nan_part`'s gradient is NaN on rank 0 only."""
+    pipeline group; at step 1 one entry of part `nan_part`'s gradient is NaN on rank 0 only;
+    step 2 is normal again. Gradients come from a backward (loss Σ <p, g> on each rank's rows),
+    so with overlap the rounds leave during backward."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
@@ -118,37 +120,54 @@ def _parts_run(rank, world, policy, nan_part, overlap):
                    pipeline_group=mesh["pp"].get_group())  # fmt: skip
         parts.append((opt, named, shapes))
     container = _container([opt for opt, _, _ in parts])
-    outcome = "stepped"
-    for step in range(2):
+    outcome, unchanged = "stepped", None
+    for step in range(3):
+        terms = []
         for k, (opt, named, shapes) in enumerate(parts):
             full = grads_for(step, {n: torch.empty(s) for n, s in shapes.items()})
             if step == 1 and k == nan_part:
                 first = next(n for n in shapes if n not in ADAMW)
-                full[first][0, 0] = float("nan")  # row 0: rank 0's shard only
-                if dist.get_rank() != 0:
-                    full[first][0, 0] = 0.0
+                full[first][0, 0] = float("nan") if dist.get_rank() == 0 else 0.0  # row 0: rank 0's shard only
             for name, p in named.items():
-                p.grad = distribute_tensor(full[name], mesh["dp"], [Shard(0)], src_data_rank=None)
+                local = distribute_tensor(full[name], mesh["dp"], [Shard(0)], src_data_rank=None).to_local()
+                terms.append((p.to_local() * local).sum())
+        sum(terms).backward()
         before = [{n: p.full_tensor() for n, p in named.items()} for _, named, _ in parts]
         try:
             container.step()
         except FloatingPointError as error:
             outcome = str(error)
-    after = [{n: p.full_tensor() for n, p in named.items()} for _, named, _ in parts]
-    unchanged = [all(torch.equal(b[n], a[n]) for n in b) for b, a in zip(before, after)]
-    return {"outcome": outcome, "unchanged": unchanged, "skipped": [opt.skipped_steps for opt, _, _ in parts]}
+        for opt, _, _ in parts:
+            opt.zero_grad()
+        after = [{n: p.full_tensor() for n, p in named.items()} for _, named, _ in parts]
+        if step == 1:
+            unchanged = [all(torch.equal(b[n], a[n]) for n in b) for b, a in zip(before, after)]
+    return {"outcome": outcome, "unchanged": unchanged, "skipped": [opt.skipped_steps for opt, _, _ in parts],
+            "params": [{n: p.full_tensor() for n, p in named.items()} for _, named, _ in parts]}  # fmt: skip
 
 
-@pytest.mark.parametrize("policy", ["skip", "raise"])
-@pytest.mark.parametrize("nan_part", [0, 1])
-def test_a_nonfinite_gradient_in_one_part_skips_or_raises_every_part_on_every_rank(policy, nan_part):
+@pytest.mark.parametrize(
+    "policy,nan_part,overlap",
+    [("skip", 0, False), ("skip", 1, False), ("raise", 0, False), ("raise", 1, False), ("raise", 1, True)],
+)
+def test_a_nonfinite_gradient_in_one_part_skips_or_raises_every_part_on_every_rank(policy, nan_part, overlap):
     """Each part's agreement paired it with the same part elsewhere only: a NaN in part 1
-    skipped part 1 while part 0 had stepped; "raise" raised after part 0 had written."""
+    skipped part 1 while part 0 had stepped; "raise" raised after part 0 had written. With
+    overlap, the parts after the one that raised settle what they sent during backward, so the
+    next step runs on every rank (and equals the run without overlap)."""
     from distributed import run_distributed
 
-    for rank, result in enumerate(run_distributed(_parts_run, PP * DP, policy, nan_part, False, timeout=240)):
-        assert result["unchanged"] == [True, True], (rank, result)
+    results = run_distributed(_parts_run, PP * DP, policy, nan_part, overlap, timeout=240)
+    for rank, result in enumerate(results):
+        assert result["unchanged"] == [True, True], (rank, result["outcome"], result["unchanged"])
         if policy == "skip":
-            assert result["outcome"] == "stepped" and result["skipped"] == [1, 1], (rank, result)
+            assert result["outcome"] == "stepped" and result["skipped"] == [1, 1], (rank, result["outcome"], result["skipped"])
         else:
             assert "non-finite" in result["outcome"] and "no parameter or state was changed" in result["outcome"], (rank, result)
+    if overlap:
+        plain = run_distributed(_parts_run, PP * DP, policy, nan_part, False, timeout=240)
+        for rank, (a, b) in enumerate(zip(plain, results)):
+            for k, (part_a, part_b) in enumerate(zip(a["params"], b["params"])):
+                for name, tensor in part_a.items():
+                    # no clipping: overlap does the same fp32 math (test_overlap_distributed.py)
+                    assert torch.equal(part_b[name], tensor), (rank, k, name)

@@ -41,9 +41,16 @@ def _sharded_module(mesh, names=tuple(SHAPES)):
 def _backward(module, step, mesh):
     """A backward whose gradients are the one-process run's (grads_for): loss = Σ <p, g>, so
     each parameter's post-accumulate-grad hook fires as under FSDP2."""
+    _local_backward(module, step, mesh)
+
+
+def _local_backward(module, step, mesh, left_out=()):
+    """Σ <p, g> on each rank's own rows (to_local: no collective, so ranks may differ), leaving
+    the parameters in `left_out` without a gradient on this rank."""
     full = grads_for(step, {n: torch.empty(SHAPES[n]) for n in SHAPES})
-    loss = sum((p * distribute_tensor(full[n], mesh, [Shard(0)], src_data_rank=None)).sum() for n, p in module.named_parameters())
-    loss.backward()
+    terms = [(p.to_local() * distribute_tensor(full[n], mesh, [Shard(0)], src_data_rank=None).to_local()).sum()
+             for n, p in module.named_parameters() if n not in left_out]  # fmt: skip
+    sum(terms).backward()
 
 
 # ------------------------------------------------ add_param_group after steps
@@ -229,3 +236,45 @@ def test_frozen_muon_parameter_with_overlap_equals_no_overlap():
         assert b["sent_in_backward"][1] > 0, "rounds without the frozen parameter should still leave during backward"
     # while frozen, "b" did not move (the third step moved it once, from its initial weights)
     assert not torch.equal(plain[0]["params"]["b"], initial["b"])
+
+
+# ------------------------------------------------ a gradient present on some ranks only
+
+
+def _gradient_on_some_ranks(rank, world, overlap):
+    """Step 0 normal; in step 1 rank 0 leaves "b" out of its loss (no gradient there only); then
+    a normal step again. Returns the error and whether step 1 changed anything."""
+    mesh = init_device_mesh("cpu", (world,))
+    module = _sharded_module(mesh)
+    named = dict(module.named_parameters())
+    groups = [
+        {"params": [(n, named[n]) for n in (*FIRST_MUON, *LATER_MUON)]},
+        {"params": [(n, named[n]) for n in ADAMW], "use_muon": False},
+    ]
+    opt = Muon(groups, overlap=overlap, **SETTINGS)
+    errors = []
+    for step in range(3):
+        _local_backward(module, step, mesh, left_out={"b"} if step == 1 and rank == 0 else set())
+        before = {n: p.full_tensor() for n, p in named.items()}
+        try:
+            opt.step()
+        except RuntimeError as error:
+            errors.append(str(error))
+            unchanged = all(torch.equal(before[n], p.full_tensor()) for n, p in named.items())
+        opt.zero_grad()
+    return {"errors": errors, "unchanged": unchanged, "params": {n: p.full_tensor() for n, p in named.items()}}
+
+
+def test_gradient_on_some_ranks_only_raises_on_every_rank_with_overlap():
+    """With overlap=True the rank with the gradient had sent its round during backward and
+    blocked in that transfer while the other rank raised (on NCCL until the watchdog). Now every
+    rank raises the same error naming the parameter, nothing changes, and the next step (the
+    transfers settled) equals overlap=False's."""
+    plain = run_distributed(_gradient_on_some_ranks, 2, False, timeout=RUN_TIMEOUT)
+    overlapped = run_distributed(_gradient_on_some_ranks, 2, True, timeout=120)
+    for rank, (a, b) in enumerate(zip(plain, overlapped)):
+        assert len(b["errors"]) == 1 and "gradients of ['b'] exist on some ranks but not on others" in b["errors"][0], (rank, b["errors"])
+        assert b["unchanged"], rank
+        for name, tensor in a["params"].items():
+            # no clipping: both modes do the same fp32 math (test_overlap_equals_no_overlap_exactly_without_clipping)
+            assert torch.equal(b["params"][name], tensor), (rank, name)

@@ -143,8 +143,12 @@ def agreeing_model_parts(optimizers: Sequence) -> Iterator[None]:
     part's gradients are checked first: per part one all-reduce over its ranks (the counts of
     missing gradients and of non-finite ones), then one MAX over the pipeline of what any part
     found; each part's step then gets that outcome in place of its own pipeline all-reduce, so
-    all parts on all ranks skip, raise, or step together, before any of them writes. On an
-    exception in the block the parts that did not step drop what overlap sent during backward.
+    all parts on all ranks skip, raise, or step together, before any of them writes.
+
+    When the first part raises (the same error on every rank), the later parts never ran their
+    step: what overlap sent during their backward is settled by running their agreement too
+    (their step, which cannot write then: it raises or skips), so no transfer is left without
+    its peer on any rank. After another exception they wait for their sends locally.
     """
     if len(optimizers) < 2:
         yield
@@ -164,17 +168,40 @@ def agreeing_model_parts(optimizers: Sequence) -> Iterator[None]:
     pipelines = [opt.pipeline for opt in optimizers]
     if pipelines[0] is not None:  # the parts of a rank share its pipeline
         code = pipelines[0].all_reduce(code.reshape(1).clone(), torch.distributed.ReduceOp.MAX)[0]
+    stepped: list = []  # the parts whose step began, in order
     for opt in optimizers:
         opt.pipeline = _AgreedOutcome(code)
-    stepped = 0
+        opt.step = _recording_step(opt, stepped)
     try:
         yield
-        stepped = len(optimizers)
+    except BaseException:
+        for opt in optimizers:
+            del opt.step  # the class's again
+        agreed_not_to_write = code.item() != 0  # then every rank raised in the same part
+        for opt in optimizers:
+            if any(stepped_opt is opt for stepped_opt in stepped) or not any(o is not None for o in opt._overlaps):
+                continue
+            if agreed_not_to_write:
+                try:
+                    opt.step()
+                except Exception:  # noqa: BLE001, S110 - the same error as the first part's, raised already
+                    pass
+            else:
+                for overlap in opt._overlaps:
+                    if overlap is not None:
+                        overlap.drain()
+        raise
     finally:
         for opt, pipeline in zip(optimizers, pipelines):
+            opt.__dict__.pop("step", None)
             opt.pipeline = pipeline
-        if stepped < len(optimizers):
-            for opt in optimizers:
-                for overlap in opt._overlaps:
-                    if overlap is not None and overlap.launches:
-                        overlap.drain()
+
+
+def _recording_step(opt, stepped: list):
+    step = opt.step
+
+    def recording(*args, **kwargs):
+        stepped.append(opt)
+        return step(*args, **kwargs)
+
+    return recording
