@@ -5,8 +5,6 @@ parameters, gradients present on some ranks only.
 Every run goes through tests/distributed.py (spawned gloo ranks, a hard timeout).
 """
 
-import math
-
 import pytest
 import torch
 from torch import nn
@@ -14,7 +12,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from common import FP32_ULP, assert_within, grads_for, make_params
+from common import assert_within, grads_for, make_params
 from distributed import run_distributed
 from reference import ReferenceMuonAdamW
 from titan_muon import Muon
