@@ -170,13 +170,15 @@ class Muon(Optimizer):
         except Exception:
             self.param_groups.pop()
             raise
-        if self._layout_ready:
+        if self._layout_ready:  # plan again (collectively); owner blocks are keyed by the plan's units
+            owner_momentum = checkpoint.owner_momentum_like_params(self)
             try:
                 self._build_layout()
             except Exception:
                 self.param_groups.pop()
                 self._build_layout()  # the layout without it, as before the call
                 raise
+            checkpoint.momentum_back_to_owners(self, owner_momentum)
 
     def set_pipeline_group(self, pipeline_group) -> None:
         """Join this rank's pipeline after construction (the ``pipeline_group`` argument, given
@@ -360,7 +362,9 @@ class Muon(Optimizer):
     def __setstate__(self, state: dict) -> None:
         """A copy (``copy.deepcopy``) plans its layout again: a collective, like construction."""
         super().__setstate__(state)
-        self._overlaps, self._metrics, self._metrics_read = [], {}, None
+        # torch's load_state_dict comes here too: its gradient hooks must go before the re-plan adds new ones
+        self._overlaps = self.__dict__.get("_overlaps", [])
+        self._metrics, self._metrics_read = {}, None
         self._build_layout()
 
     def state_dict(self) -> dict:

@@ -62,6 +62,7 @@ from titan_muon.torchtitan.config import validate_optimizer_config
 from titan_muon.torchtitan.metrics import time_optimizer_steps
 from titan_muon.torchtitan.muon import build_muon, merged_step_metrics, muon_kwargs
 from titan_muon.torchtitan.qk_clip import QKClipAfterStep
+from titan_muon.verdict import agreeing_model_parts
 
 
 def _copied(f: dataclasses.Field) -> tuple[str, Any, dataclasses.Field]:
@@ -158,7 +159,8 @@ class MuonOptimizersContainer(QKClipAfterStep, OptimizersContainer):
                 "or a Trainer.Config from titan_muon.torchtitan.v030), or call optimizers.use_parallel_dims("
                 "parallel_dims) after building the trainer"
             )
-        super().step(*args, **kwargs)
+        with agreeing_model_parts(self.optimizers):  # several parts per rank skip, raise or step as one
+            super().step(*args, **kwargs)
 
     @property
     def last_step_metrics(self) -> dict[str, float]:
