@@ -39,7 +39,7 @@ from titan_muon import checkpoint, demo, settings
 from titan_muon.commit import StepWork, adamw_step, commit, new_adamw_state, stage_momentum, staged_state
 from titan_muon.demo_step import Replicas, check_groups, demo_settings
 from titan_muon.exchange import ExchangeEngine, MemoryAccount, StepFailure, agree_on_success
-from titan_muon.orthogonalizer import NS_WORKSPACE, Orthogonalizer
+from titan_muon.orthogonalizer import Orthogonalizer
 from titan_muon.overlap import BackwardOverlap
 from titan_muon.overlap import metrics as overlap_metrics
 from titan_muon.metrics import momentum_bytes_per_element, state_bytes, step_metrics, wire_bytes
@@ -65,8 +65,10 @@ class Muon(Optimizer):
     Args follow ``torch.optim.Muon`` (lr, weight_decay, momentum, nesterov, ns_steps,
     adjust_lr_fn), plus (README.md lists them all, docs/ explains them):
         ns_coefficients ("keller", "polar_express" or (a, b, c)), ns_algorithm ("auto",
-            "standard", "gram"), ns_eps, ns_dtype ("auto": bf16 on CUDA, fp32 elsewhere);
-        comm_dtype: "auto" (the NS dtype), "fp32" or "bf16": matrices and updates on the wire;
+            "standard", "gram"), ns_eps, ns_dtype ("auto": on CUDA bf16 for standard NS and fp16
+            for Gram NS, fp32 elsewhere; "fp32", "bf16", "fp16");
+        comm_dtype: "auto" (fp32 with fp32 NS, else bf16), "fp32" or "bf16": matrices and
+            updates on the wire;
         adamw_betas, adamw_eps, adamw_implementation ("fused", "foreach", "for-loop");
         exchange_memory_mb: per-GPU MiB for the exchange buffers of the rounds in flight
             (8192); an owner always takes at least one matrix per round;
@@ -180,10 +182,11 @@ class Muon(Optimizer):
     def _build_layout(self) -> None:
         """Find where every Muon matrix lives, then plan each rank set's rounds and this rank's tables."""
         self.device = settings.common_device([p for g in self.param_groups for p in g["params"]])
-        self.ns_dtype = settings.resolve_dtype(self.ns_dtype_setting, "ns_dtype", self.device)
+        self.ns_precision = settings.resolve_ns_precision(self.ns_dtype_setting, self.device)
+        self.ns_dtype = self.ns_precision.standard  # standard NS's dtype; Orthogonalizer.plan gives each shape's
         comm = self.comm_dtype_setting
-        self.comm_dtype = self.ns_dtype if comm == "auto" else settings.resolve_dtype(comm, "comm_dtype", self.device)
-        self.newton_schulz = Orthogonalizer(lambda: self.param_groups, self.ns_dtype, self.device)
+        self.comm_dtype = settings.auto_comm_dtype(self.ns_precision) if comm == "auto" else settings.resolve_dtype(comm, "comm_dtype", self.device)
+        self.newton_schulz = Orthogonalizer(lambda: self.param_groups, self.ns_precision, self.device)
         if self.demo is not None:
             check_groups(self.param_groups)
         self.muon_params: list[MuonParam] = []
@@ -200,7 +203,7 @@ class Muon(Optimizer):
         self.pipeline = Transport(self.pipeline_group, self.device) if self.pipeline_group is not None else None
         units, shardings = build_units(self.muon_params, self.row_blocks)
         round_bytes = self.exchange_memory_mb * 2**20 / self.rounds_in_flight
-        owner_bytes = settings.owner_bytes_per_element(self.comm_dtype, self.ns_dtype)
+        owner_bytes = settings.owner_bytes_per_element(self.comm_dtype, self.ns_precision)
         for overlap in self._overlaps:
             if overlap is not None:
                 overlap.remove()
@@ -378,7 +381,7 @@ class Muon(Optimizer):
                              work: StepWork) -> dict[int, Tensor]:  # fmt: skip
         results: dict[int, Tensor] = {}
         for batch, matrices in zip(batches, self._owner_inputs(s, r, batches, scales, verdict, work)):
-            workspace = int(NS_WORKSPACE[self.ns_dtype] * matrices.numel() * 4)
+            workspace = self.newton_schulz.workspace_bytes(batch.key, matrices)
             work.memory.add(workspace)
             out = self.newton_schulz(batch.key, matrices, timer, work)
             work.memory.free(workspace)
