@@ -1,3 +1,4 @@
+import functools
 import math
 
 import pytest
@@ -226,7 +227,7 @@ def test_flops_match_counted_matmuls(shape, steps):
         with FlopCounterMode(display=False) as counter:
             orthogonalize(torch.empty(*shape, device="meta"), steps, algorithm=algorithm, dtype=dtype)
         batch = shape[0] if len(shape) == 3 else 1
-        assert counter.get_total_flops() == batch * newton_schulz_flops(*shape[-2:], steps, algorithm), algorithm
+        assert counter.get_total_flops() == batch * newton_schulz_flops(*shape[-2:], steps, algorithm, dtype), algorithm
 
 
 def test_gram_flop_ratios():
@@ -244,7 +245,12 @@ def test_gram_segments():
         runs = gram_segments(steps)
         assert sum(runs) == steps and all(1 <= r <= GRAM_MAX_RUN for r in runs) and list(runs) == sorted(runs)
         assert len(runs) == math.ceil(steps / GRAM_MAX_RUN)
-    assert gram_segments(5) == (2, 3)
+    assert gram_segments(5) == gram_segments(5, torch.bfloat16) == (2, 3)
+    for steps in range(12):  # fp16: runs of at most 2, longest first (the last run short)
+        runs = gram_segments(steps, HALF)
+        assert sum(runs) == steps and all(1 <= r <= 2 for r in runs) and list(runs) == sorted(runs, reverse=True)
+        assert len(runs) == math.ceil(steps / 2)
+    assert gram_segments(5, HALF) == (2, 2, 1)
 
 
 def test_resolve_algorithm():
@@ -338,6 +344,8 @@ def test_fp16_intermediates_stay_in_range(steps, monkeypatch):
 
     monkeypatch.setattr(newton_schulz, "_addmm", recording(newton_schulz._addmm))
     monkeypatch.setattr(newton_schulz, "_symmetric_addmm", recording(newton_schulz._symmetric_addmm))
+    fp16_runs = functools.partial(gram_segments, dtype=HALF)  # fp16's restarts, in fp32 arithmetic
+    monkeypatch.setattr(newton_schulz, "gram_segments", lambda steps, dtype=None: fp16_runs(steps))
     inputs = [low_rank(64, 224, 1), sample_matrix((64, 224), "gaussian", 2), torch.randn(64, 224) * torch.logspace(0, -6, 224)]
     for method in ("keller", "polar_express"):
         for algorithm in ("standard", "gram"):
@@ -487,7 +495,7 @@ def test_symmetric_kernel_dispatch_with_a_stand_in(monkeypatch):
     with_kernel = orthogonalize(g, 5, "polar_express", HALF, algorithm="gram")
     assert torch.equal(with_kernel, without)
     # per run of L steps: X Xᵀ, L squares of G, 2(L − 1) halves of Gram updates
-    assert len(calls) == sum(1 + length + 2 * (length - 1) for length in gram_segments(5))
+    assert len(calls) == sum(1 + length + 2 * (length - 1) for length in gram_segments(5, HALF))
     calls.clear()
     orthogonalize(g[: rows - 1], 5, "keller", HALF, algorithm="gram")  # below the kernel's tile
     orthogonalize(g, 5, "keller", torch.float32, algorithm="gram")  # no fp32 kernel

@@ -54,6 +54,11 @@ FP16_PEAK_LIMIT = torch.finfo(torch.float16).max / 64
 # Gram Newton–Schulz: the longest run of steps between restarts (gram_segments), and where
 # "auto" picks it (resolve_algorithm; measured in docs/newton_schulz.md).
 GRAM_MAX_RUN = 3
+# In fp16 the last run must be short too: a 3-step last run (2 + 3) left 14x standard fp16's
+# rounding error, 1.5-1.8x standard bf16's, on inputs whose column scales span 1e4-1e6; runs of
+# at most 2, longest first (2 + 2 + 1), stay within standard fp16's everywhere measured
+# (docs/newton_schulz.md, "Half-precision Gram NS").
+HALF_GRAM_MAX_RUN = 2
 GRAM_MIN_ASPECT = 2.5
 GRAM_MIN_SIDE = 128
 # From this many rows on, a product known to be symmetric is computed as three half-size blocks
@@ -78,22 +83,33 @@ def coefficient_schedule(method: str | tuple[float, float, float], steps: int) -
     raise ValueError(f"unknown Newton-Schulz method {method!r}; expected one of {NS_METHODS}")
 
 
-def gram_segments(steps: int) -> tuple[int, ...]:
+def gram_segments(steps: int, dtype: torch.dtype = torch.float32) -> tuple[int, ...]:
     """How Gram Newton–Schulz splits `steps` into runs that each start from a fresh Gram matrix.
 
     A run of L steps updates its Gram matrix L − 1 times, and each update multiplies the rounding
     error of its smallest eigenvalues by about a², so runs stay at most GRAM_MAX_RUN = 3 steps
     long (4-step runs blow up in bf16). Shorter runs come first: Polar Express's first step has
     a² = 66.5, and a 3-step first run (two updates after it) blew up on low-rank bf16 inputs.
-    Measured in docs/newton_schulz.md (Restarts).
+    Measured in docs/newton_schulz.md (Restarts). fp32 and bf16: 5 steps → 2 + 3.
+
+    fp16: runs of at most HALF_GRAM_MAX_RUN = 2, longest first: 5 steps → 2 + 2 + 1. A run's
+    accumulated Q spans 1 … Π a over it, and its rounding, at eps·Π a, lands on the directions
+    that have already converged; in the last run most have, and 3 steps there (Π a = 41) cost
+    fp16 its advantage on inputs with a continuum of small singular values (column scales
+    spanning 1e4–1e6). Measured in docs/newton_schulz.md (Half-precision Gram NS).
     """
+    if dtype == torch.float16:
+        count = -(-steps // HALF_GRAM_MAX_RUN)
+        short, extra = divmod(steps, count) if count else (0, 0)
+        return (short + 1,) * extra + (short,) * (count - extra)
     count = -(-steps // GRAM_MAX_RUN)
     short, extra = divmod(steps, count) if count else (0, 0)
     return (short,) * (count - extra) + (short + 1,) * extra
 
 
-def newton_schulz_flops(rows: int, cols: int, steps: int, algorithm: str = "standard") -> int:
-    """Matmul FLOPs of `steps` iterations on one (rows, cols) matrix, m = min side, n = max side.
+def newton_schulz_flops(rows: int, cols: int, steps: int, algorithm: str = "standard", dtype: torch.dtype = torch.float32) -> int:
+    """Matmul FLOPs of `steps` iterations on one (rows, cols) matrix, m = min side, n = max side,
+    in compute dtype `dtype` (which sets Gram NS's runs: gram_segments).
 
     standard: 4m²n + 2m³ per step (X Xᵀ, its square, and the product with X).
     gram: per run of L steps, 4m²n (X Xᵀ, then Q X) plus 2m³·(4L − 3) (per step one square of the
@@ -105,7 +121,7 @@ def newton_schulz_flops(rows: int, cols: int, steps: int, algorithm: str = "stan
         return steps * (4 * m * m * n + 2 * m * m * m)
     if algorithm == "gram":
         square, gram_matrix, apply = _symmetric_flops(m, m), _symmetric_flops(m, n), 2 * m * m * n
-        return sum(gram_matrix + apply + (3 * length - 2) * square + (length - 1) * 2 * m**3 for length in gram_segments(steps))
+        return sum(gram_matrix + apply + (3 * length - 2) * square + (length - 1) * 2 * m**3 for length in gram_segments(steps, dtype))
     raise ValueError(f"newton_schulz_flops needs a resolved algorithm ('standard' or 'gram'), got {algorithm!r}")
 
 
@@ -152,8 +168,9 @@ def half_precision_peak(method: str | tuple[float, float, float], steps: int, al
     each σ of a grid on [0, 1] through the iteration (restarts included) and returns the largest
     such value. GEMMs accumulate in fp32 (tensor cores, and torch on CPU), so only these stored
     results must fit fp16; FP16_PEAK_LIMIT keeps a margin for rounding and for the grid.
-    Keller and Polar Express peak at Q's eigenvalues near σ = 0, the product of a run's a's (41
-    and 33; 990 for Polar Express in one unrestarted run) — far below fp16's 65504.
+    Keller and Polar Express peak at Q's eigenvalues near σ = 0, the product of a run's a's (12
+    and 33 with fp16's 2-step runs; 990 for Polar Express in one unrestarted run) — far below
+    fp16's 65504.
     """
     return _half_precision_peak(method if isinstance(method, str) else tuple(float(v) for v in method), steps, algorithm)
 
@@ -171,7 +188,7 @@ def _half_precision_peak(method: str | tuple[float, ...], steps: int, algorithm:
             peak = max(peak, lam.abs().max().item(), (lam**2).max().item(), poly.abs().max().item(), sigma.abs().max().item())
         return peak
     start = 0
-    for length in gram_segments(steps):
+    for length in gram_segments(steps, torch.float16):
         lam, accumulated = sigma**2, torch.ones_like(sigma)
         for a, b, c in schedule[start : start + length]:
             poly = b * lam + c * lam**2
@@ -351,7 +368,7 @@ def orthogonalize(
     x = (x / norm.clamp(min=eps)).to(dtype)
     schedule = coefficient_schedule(method, steps)
     if algorithm == "gram":
-        x = gram_iterations(x, schedule, gram_segments(steps))
+        x = gram_iterations(x, schedule, gram_segments(steps, dtype))
     else:
         x = standard_iterations(x, schedule)
     return x.mT if tall else x

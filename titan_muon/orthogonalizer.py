@@ -47,7 +47,7 @@ class Orthogonalizer:
 
     def flops(self, group: dict, rows: int, cols: int) -> int:
         """What an owner spends on one (rows, cols) matrix of `group`: the plan balances owners on this."""
-        return newton_schulz_flops(rows, cols, group["ns_steps"], self.algorithm(group, rows, cols))
+        return newton_schulz_flops(rows, cols, group["ns_steps"], *self.plan(group, rows, cols))
 
     def workspace_bytes(self, key: tuple, matrices: Tensor) -> int:
         """What orthogonalizing `matrices` (fp32) allocates at its peak (NS_WORKSPACE)."""
@@ -63,7 +63,7 @@ class Orthogonalizer:
         with phase("newton_schulz"):
             ortho = orthogonalize(matrices, steps, group["ns_coefficients"], dtype, group["ns_eps"], algorithm)
         timer.stop("ns")
-        work.ns_flops += matrices.shape[0] * newton_schulz_flops(*shape, steps, algorithm)
+        work.ns_flops += matrices.shape[0] * newton_schulz_flops(*shape, steps, algorithm, dtype)
         scaled = ortho.float().mul_(update_scale(group["adjust_lr_fn"], *shape))
         work.update_sq.append(torch.linalg.vector_norm(scaled).square() * group["lr"] ** 2)
         work.update_numel += scaled.numel()
