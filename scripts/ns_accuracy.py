@@ -5,8 +5,8 @@ restart after the second step (runs 2 + 3, Dao AI Lab's and DeepSpeed's choice),
 NS, bf16 Gram NS (runs 2 + 3), fp32 Gram NS, and standard fp32 NS. Inputs, per shape: Gaussian; Gaussian with
 column scales spanning 1e4 and 1e6 (what broke bf16 Gram NS); ill-conditioned (singular values
 spanning 1e6, geometric); rank-deficient (exact rank m/16); gradient-like (4 dominant directions
-plus 1e-3 noise). Shapes: Llama-like projections scaled down (MLP, GQA k/v at its real
-1024 × 4096, square attention) and a DeepSeek-V3 MoE expert scaled down (tall).
+plus 1e-3 noise). Shapes: Llama-3 8B projections (MLP scaled down 8x and 4x per side, GQA k/v at
+its real 1024 × 4096, square attention) and a DeepSeek-V3 MoE expert scaled down 8x (tall).
 
 Per cell: σ_max of the result (> ~1.2 means rounding has pushed singular values out), the
 relative Frobenius distance ‖O − U Vᵀ‖_F / ‖U Vᵀ‖_F to the polar factor (U Vᵀ over the
@@ -49,12 +49,15 @@ VARIANTS = {  # label: (dtype, algorithm, or Gram NS's runs between restarts)
     "fp32 standard": (torch.float32, "standard"),
 }
 ALL_INPUTS = ("gaussian", "colscale-1e4", "colscale-1e6", "ill-conditioned", "rank-deficient", "gradient-like")
-# (label, rows, cols, inputs): Llama-3 8B and DeepSeek-V3 matrices, scaled down where noted.
+# (label, rows, cols, inputs): Llama-3 8B and DeepSeek-V3 matrices, most scaled down 8x per side
+# (CPU fp16 GEMMs run at ~5 GFLOP/s); the MLP at 1024 x 2816 and GQA k/v at its real 1024 x 4096
+# on the input that broke bf16 Gram NS.
 CASES = [
-    ("MLP (4096x11264 / 4)", 1024, 2816, ALL_INPUTS),
-    ("GQA k/v (Llama-3 8B)", 1024, 4096, ("gaussian", "colscale-1e6", "gradient-like")),
-    ("attention q/o (4096² / 4)", 1024, 1024, ("gaussian", "colscale-1e6")),
-    ("MoE expert (DeepSeek-V3 7168x2048 / 4)", 1792, 512, ("gaussian", "colscale-1e6", "rank-deficient", "gradient-like")),
+    ("MLP (4096x11264 / 8)", 512, 1408, ALL_INPUTS),
+    ("MLP (4096x11264 / 4)", 1024, 2816, ("colscale-1e6",)),
+    ("GQA k/v (Llama-3 8B)", 1024, 4096, ("colscale-1e6",)),
+    ("attention q/o (4096² / 8)", 512, 512, ("gaussian", "colscale-1e6")),
+    ("MoE expert (DeepSeek-V3 7168x2048 / 8)", 896, 256, ("gaussian", "colscale-1e6", "rank-deficient", "gradient-like")),
 ]
 FULL_SIZE_CASES = [  # two inputs each: a GPU check has about a minute for this
     ("Llama-3 8B MLP", 4096, 14336, ("gaussian", "colscale-1e6")),
@@ -168,6 +171,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     started = time.time()
+    target_route = args.targets or ("gram" if args.device == "cuda" else "svd")
     print(f"Command: `{' '.join(['python scripts/ns_accuracy.py', *sys.argv[1:]])}`  ")
     if args.device == "cuda":
         from titan_muon.newton_schulz import symmetric_gemm_kernel
@@ -183,7 +187,6 @@ def main() -> None:
     print()
     print("| shape | input | coefficients | " + " | ".join(VARIANTS) + " |")
     print("|---|---|---|" + "---|" * len(VARIANTS))
-    target_route = args.targets or ("gram" if args.device == "cuda" else "svd")
     worst_ratio, timings = 0.0, []
     cases = FULL_SIZE_CASES if args.full_size else QUICK_CASES if args.quick else CASES
     for label, rows, cols, inputs in cases:
