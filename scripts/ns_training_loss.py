@@ -103,7 +103,7 @@ def train(variant: str, text: torch.Tensor, args) -> list[float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=100)
-    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--length", type=int, default=128)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--warmup", type=int, default=10)
@@ -127,7 +127,7 @@ def main() -> None:
         mean = statistics.mean(losses[-args.window :])
         gap = mean - statistics.mean(reference[-args.window :])
         worst = max(abs(a - b) for a, b in zip(losses, reference))
-        print(f"| {variant} | {losses[-1]:.4f} | {mean:.4f} | {gap:+.4f} | {worst:.4f} | {seconds[variant]:.0f} |")
+        print(f"| {variant} | {losses[-1]:.5f} | {mean:.5f} | {gap:+.5f} | {worst:.5f} | {seconds[variant]:.0f} |")
 
 
 if __name__ == "__main__":
