@@ -208,7 +208,8 @@ def test_a_refused_param_group_leaves_nothing_behind(group, match):
         (dict(adjust_lr_fn="rms"), "adjust_lr_fn"),
         (dict(ns_coefficients="cubic"), "ns_coefficients"),
         (dict(ns_algorithm="fast"), "ns_algorithm"),
-        (dict(ns_dtype="fp16"), "ns_dtype"),
+        (dict(ns_dtype="fp8"), "ns_dtype"),
+        (dict(comm_dtype="fp16"), "comm_dtype"),  # fp16 NS yes (it scales first), fp16 on the wire no
         (dict(comm_dtype="int8"), "comm_dtype"),
         (dict(lr=-1.0), "lr"),
         (dict(nonfinite_grads="ignore"), "nonfinite_grads"),

@@ -55,7 +55,8 @@ def test_unknown_optimizer_key_is_named(tmp_path):
 @pytest.mark.parametrize(
     "line, key",
     [
-        ('ns_dtype = "fp16"', "ns_dtype"),
+        ('ns_dtype = "fp8"', "ns_dtype"),
+        ('comm_dtype = "fp16"', "comm_dtype"),
         ('momentum_dtype = "fp16"', "momentum_dtype"),
         ("ns_steps = 0", "ns_steps"),
         ("momentum = 1.5", "momentum"),

@@ -66,8 +66,10 @@ class Muon(Optimizer):
     (kept equal to its ``ns_eps``), AdamW's in an AdamW group, whose default is ``adamw_eps``.
     Further (README.md lists them all, docs/ explains them):
         ns_coefficients ("keller", "polar_express" or (a, b, c)), ns_algorithm ("auto",
-            "standard", "gram"), ns_dtype ("auto": bf16 on CUDA, fp32 elsewhere);
-        comm_dtype: "auto" (the NS dtype), "fp32" or "bf16": matrices and updates on the wire;
+            "standard", "gram"), ns_dtype ("auto": on CUDA bf16 for standard NS and fp16
+            for Gram NS, fp32 elsewhere; "fp32", "bf16", "fp16");
+        comm_dtype: "auto" (fp32 with fp32 NS, else bf16), "fp32" or "bf16": matrices and
+            updates on the wire;
         adamw_betas, adamw_eps, adamw_implementation ("fused", "foreach", "for-loop");
         exchange_memory_mb: per-GPU MiB for the exchange buffers of the rounds in flight
             (8192); an owner always takes at least one matrix per round;
@@ -197,10 +199,11 @@ class Muon(Optimizer):
     def _build_layout(self) -> None:
         """Find where every Muon matrix lives, then plan each rank set's rounds and this rank's tables."""
         self.device = settings.common_device([p for g in self.param_groups for p in g["params"]])
-        self.ns_dtype = settings.resolve_dtype(self.ns_dtype_setting, "ns_dtype", self.device)
+        self.ns_precision = settings.resolve_ns_precision(self.ns_dtype_setting, self.device)
+        self.ns_dtype = self.ns_precision.standard  # standard NS's dtype; Orthogonalizer.plan gives each shape's
         comm = self.comm_dtype_setting
-        self.comm_dtype = self.ns_dtype if comm == "auto" else settings.resolve_dtype(comm, "comm_dtype", self.device)
-        self.newton_schulz = Orthogonalizer(lambda: self.param_groups, self.ns_dtype, self.device)
+        self.comm_dtype = settings.auto_comm_dtype(self.ns_precision) if comm == "auto" else settings.resolve_dtype(comm, "comm_dtype", self.device)
+        self.newton_schulz = Orthogonalizer(lambda: self.param_groups, self.ns_precision, self.device)
         self.elementwise = elementwise_for(self.compile_elementwise, self.device)
         if self.demo is not None:
             check_groups(self.param_groups)
@@ -216,7 +219,7 @@ class Muon(Optimizer):
         owner_momentum = "all" if self.demo is not None else "sharded" if self.overlap else None
         self.engines: list[ExchangeEngine] = build_engines(units, shardings, [rank_set.group for rank_set in rank_sets], self._unit_flops, EngineSettings(
             device=self.device, round_bytes=self.exchange_memory_mb * 2**20 / self.rounds_in_flight,
-            owner_bytes=settings.owner_bytes_per_element(self.comm_dtype, self.ns_dtype), rounds_in_flight=self.rounds_in_flight,
+            owner_bytes=settings.owner_bytes_per_element(self.comm_dtype, self.ns_precision), rounds_in_flight=self.rounds_in_flight,
             min_rounds=OVERLAP_MIN_ROUNDS if self.overlap else 1, hierarchical_exchange=self.hierarchical_exchange,
             ranks_per_node=settings.ranks_per_node(self.ranks_per_node, self.device), owner_momentum=owner_momentum,
         ))  # fmt: skip

@@ -7,10 +7,14 @@ import warnings
 
 import torch
 
-from titan_muon.newton_schulz import NS_ALGORITHMS, NS_METHODS, coefficient_schedule
+from titan_muon.newton_schulz import NS_ALGORITHMS, NS_METHODS, NSPrecision, coefficient_schedule
 from titan_muon.update import ADJUST_LR_FNS
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# Newton–Schulz may also run in fp16 (it scales its input first); the wire may not: unscaled
+# gradients and updates can leave fp16's range.
+NS_DTYPES = {**DTYPES, "fp16": torch.float16}
+NS_DTYPE_CHOICES = (*NS_DTYPES, "auto")
 # The keys of a Muon param group (torch's loader adds others, which state_dict() must not grow).
 GROUP_KEYS = ("params", "param_names", "lr", "weight_decay", "momentum", "nesterov", "ns_steps", "adjust_lr_fn",
               "ns_coefficients", "ns_algorithm", "ns_eps", "betas", "eps", "use_muon", "matrix_stacks")  # fmt: skip
@@ -35,8 +39,26 @@ def resolve_dtype(name: str, key: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
-def owner_bytes_per_element(comm_dtype: torch.dtype, ns_dtype: torch.dtype) -> float:
-    return 2 * comm_dtype.itemsize + OWNER_FIXED_BYTES + 3 * ns_dtype.itemsize
+def resolve_ns_precision(name: str, device: torch.device) -> NSPrecision:
+    """The NS compute dtypes of an ``ns_dtype`` setting. "auto": on CUDA, standard NS in bf16
+    (tensor cores) and Gram NS in fp16 (bf16 is too coarse for it, docs/newton_schulz.md);
+    elsewhere fp32 (exact; half-precision matmuls are slow on CPUs)."""
+    if name not in NS_DTYPE_CHOICES:
+        raise ValueError(f"titan_muon.Muon: ns_dtype={name!r} is not supported; expected one of {NS_DTYPE_CHOICES}")
+    if name == "auto":
+        return NSPrecision(torch.bfloat16, torch.float16) if device.type == "cuda" else NSPrecision(torch.float32, torch.float32)
+    return NSPrecision(NS_DTYPES[name], NS_DTYPES[name])
+
+
+def auto_comm_dtype(ns_precision: NSPrecision) -> torch.dtype:
+    """comm_dtype="auto": fp32 with fp32 NS, else bf16 (fp16 NS included: the wire carries
+    unscaled matrices, which need bf16's range)."""
+    return torch.float32 if ns_precision.standard == torch.float32 else torch.bfloat16
+
+
+def owner_bytes_per_element(comm_dtype: torch.dtype, ns_dtype: torch.dtype | NSPrecision) -> float:
+    itemsize = max(d.itemsize for d in ns_dtype) if isinstance(ns_dtype, NSPrecision) else ns_dtype.itemsize
+    return 2 * comm_dtype.itemsize + OWNER_FIXED_BYTES + 3 * itemsize
 
 
 def exchange_memory(exchange_memory_mb: float | None, bucket_size_mb: float | None, rounds_in_flight: int | None,
@@ -72,9 +94,9 @@ def exchange_memory(exchange_memory_mb: float | None, bucket_size_mb: float | No
 
 
 def check_options(ns_dtype: str, comm_dtype: str, nonfinite_grads: str, adamw_implementation: str) -> None:
-    for name, key in ((ns_dtype, "ns_dtype"), (comm_dtype, "comm_dtype")):
-        if name not in DTYPE_CHOICES:
-            resolve_dtype(name, key, torch.device("cpu"))
+    resolve_ns_precision(ns_dtype, torch.device("cpu"))
+    if comm_dtype not in DTYPE_CHOICES:
+        resolve_dtype(comm_dtype, "comm_dtype", torch.device("cpu"))
     if nonfinite_grads not in NONFINITE_POLICIES:
         raise ValueError(f"titan_muon.Muon: nonfinite_grads={nonfinite_grads!r}; expected one of {NONFINITE_POLICIES}")
     if adamw_implementation not in ADAMW_IMPLEMENTATIONS:

@@ -31,12 +31,14 @@ class Optimizer:
     ns_algorithm: Literal["auto", "standard", "gram"] = "auto"
     """How NS evaluates its polynomial: "gram" iterates on the short side's Gram matrix (fewer
     FLOPs on rectangular matrices); "auto" uses it where it is faster and as accurate."""
-    ns_dtype: Literal["auto", "fp32", "bf16"] = "auto"
-    """Newton-Schulz matmul precision: "auto" = "bf16" on CUDA (tensor cores), "fp32" on CPU
-    (exact; bf16 matmuls are slow there)."""
+    ns_dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    """Newton-Schulz matmul precision: "auto" = on CUDA "bf16" for standard NS and "fp16" for
+    Gram NS (tensor cores; Gram NS needs fp16's mantissa), "fp32" on CPU (exact; half-precision
+    matmuls are slow there)."""
     comm_dtype: Literal["auto", "fp32", "bf16"] = "auto"
-    """dtype of Muon's traffic between ranks: "auto" = the NS dtype (bf16 traffic costs no
-    accuracy that bf16 NS has not already given up; fp32 keeps W ranks bit-close to one process)."""
+    """dtype of Muon's traffic between ranks: "auto" = fp32 with fp32 NS, else bf16 (bf16 traffic
+    costs no accuracy that half-precision NS has not already given up; fp32 keeps W ranks
+    bit-close to one process)."""
     momentum_dtype: Literal["fp32", "bf16", "fp8"] = "fp32"
     """How Muon momentum is stored: "bf16" halves it, "fp8" (row-scaled) quarters it."""
     adjust_lr_fn: Literal["original", "match_rms_adamw", "spectral_unclamped"] = "original"
