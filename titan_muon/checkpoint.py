@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from titan_muon.commit import adamw_step_device
+from titan_muon.commit import adamw_step_device, new_adamw_state
 from titan_muon.owner_state import blocks_to_shards, shards_to_blocks
 from titan_muon.settings import GROUP_KEYS
 from titan_muon.transport import uncounted
@@ -25,6 +25,29 @@ class _PassedThrough:
     """State that torch's Optimizer.load_state_dict hands over as it is (it casts only tensors)."""
 
     value: dict
+
+
+def create_state(opt) -> None:
+    """Create every parameter's state at once, identically on every rank (DCP needs equal keys
+    before the first save): AdamW's moments, Muon momentum on this rank's blocks or, where the
+    owners hold it, placeholders here and whole-matrix blocks on the owners."""
+    for group in opt.param_groups:
+        if not group["use_muon"]:
+            for p in group["params"]:
+                if not opt.state[p]:
+                    opt.state[p].update(new_adamw_state(p, opt.adamw_implementation))
+    for entry in opt.muon_params:
+        state = opt.state[entry.param]
+        if entry.momentum_on_owner:
+            for key, value in opt.storage.placeholders(opt.device).items():
+                state.setdefault(key, value)
+        elif not state:
+            state.update(opt.storage.create(entry.param))
+    for s, engine in enumerate(opt.engines):
+        if engine.owners_hold_momentum:
+            for u in engine.owned_units():
+                if (s, u) not in opt.owner_blocks:
+                    opt.owner_blocks[(s, u)] = opt.storage.create_block(engine.units[u].rows, engine.units[u].cols, opt.device)
 
 
 def state_dict(opt, state_dict: dict) -> dict:
@@ -80,7 +103,7 @@ def momentum_back_to_owners(opt, states: dict | None) -> None:
     full = {e.param: states[e.param] if e.param in states else opt.storage.create(e.param) for e in sharded}
     _send_to_owners(opt, full)
     for e in sharded:
-        if opt.state.get(e.param):  # the others get theirs in the first step (Muon._ensure_state)
+        if opt.state.get(e.param):  # the others get theirs in the first step (create_state)
             placeholders = opt.storage.placeholders(opt.device)
             opt.state[e.param].update({key: placeholders[key] for key in opt.storage.tensor_keys})
 

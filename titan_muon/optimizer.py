@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from titan_muon import checkpoint, demo, settings
-from titan_muon.commit import StepWork, adamw_step, commit, new_adamw_state, stage_momentum
+from titan_muon.commit import StepWork, adamw_step, commit, stage_momentum
 from titan_muon.demo_step import Replicas, check_groups, demo_settings
 from titan_muon.exchange import EngineSettings, ExchangeEngine, StepFailure, agree_on_success, build_engines
 from titan_muon.matrix_step import MatrixStep
@@ -59,30 +59,21 @@ class Muon(Optimizer):
     with their own ``betas``, ``eps`` and ``weight_decay``. :func:`titan_muon.build_param_groups`
     splits a model the usual way.
 
-    The positional args are ``torch.optim.Muon``'s, in its order and with its meanings (lr,
-    weight_decay, momentum, nesterov, ns_coefficients, eps, ns_steps, adjust_lr_fn): ``eps`` is
-    Newton–Schulz's epsilon, also called ``ns_eps`` (giving both with different values is refused).
-    In a param group ``eps`` is that group's algorithm's epsilon: Newton–Schulz's in a Muon group
-    (kept equal to its ``ns_eps``), AdamW's in an AdamW group, whose default is ``adamw_eps``.
-    Further (README.md lists them all, docs/ explains them):
-        ns_coefficients ("keller", "polar_express" or (a, b, c)), ns_algorithm ("auto",
-            "standard", "gram"), ns_dtype ("auto": on CUDA bf16 for standard NS and fp16
-            for Gram NS, fp32 elsewhere; "fp32", "bf16", "fp16");
-        comm_dtype: "auto" (fp32 with fp32 NS, else bf16), "fp32" or "bf16": matrices and
-            updates on the wire;
+    Positional args are ``torch.optim.Muon``'s, in its order and meanings (``eps``: Newton–Schulz's
+    epsilon, also ``ns_eps``; in an AdamW group ``eps`` is AdamW's, default ``adamw_eps``). Further
+    (README.md lists them all, docs/ explains them):
+        ns_algorithm ("auto", "standard", "gram"), ns_dtype ("auto": on CUDA bf16 for standard
+            NS and fp16 for Gram NS, fp32 elsewhere); comm_dtype ("auto", "fp32", "bf16"): the wire;
         adamw_betas, adamw_eps, adamw_implementation ("fused", "foreach", "for-loop");
         exchange_memory_mb: per-GPU MiB for the exchange buffers of the rounds in flight
             (8192); an owner always takes at least one matrix per round;
         rounds_in_flight (2); bucket_size_mb, buckets_in_flight: their deprecated names;
-        nonfinite_grads: "raise" on every rank, or "skip" the step on every rank (then
-            ``last_step_skipped`` is True until the next step, and QK-clip leaves it alone);
+        nonfinite_grads: "raise" or "skip" the step, on every rank (``last_step_skipped``);
         row_blocks: Muon Split, FQN patterns -> row-block sizes (one block per head);
         momentum_dtype: "fp32", "bf16" or "fp8" (state.py);
         overlap: momentum on the owners, gradients sent during backward (overlap.py);
-        pipeline_group: this rank's pipeline: a non-finite gradient in any stage raises or
-            skips in every stage (TorchTitan's container passes it);
-        demo, demo_chunk, demo_topk, demo_alpha, replicate_group: DeMo across replicas
-            (docs/demo.md; demo_step.py);
+        pipeline_group: a non-finite gradient in any stage raises or skips in every stage;
+        demo, demo_chunk, demo_topk, demo_alpha, replicate_group: DeMo across replicas (demo_step.py);
         hierarchical_exchange ("auto", True, False), ranks_per_node: two-stage all-to-alls,
             within nodes and along rails (docs/exchange.md, "W = 4096");
         compile_elementwise: the element-wise passes as ``torch.compile``d kernels, one pass
@@ -163,12 +154,8 @@ class Muon(Optimizer):
         (a group added after construction plans the layout again, collectively)."""
         given = dict(param_group)
         super().add_param_group(param_group)
-        group, index = self.param_groups[-1], len(self.param_groups) - 1
         try:
-            settings.settle_eps(group, index, given, self.defaults["eps"])
-            settings.validate_group(group, index)
-            if self._layout_ready:
-                settings.check_group_params(group, index, self.param_name)
+            settings.check_added_group(self.param_groups, given, self.defaults["eps"], self.param_name if self._layout_ready else None)
         except Exception:
             self.param_groups.pop()
             raise
@@ -235,28 +222,6 @@ class Muon(Optimizer):
             self.replicas.check_consistent(params, self._names, hash(tuple(e.plan.fingerprint() for e in self.engines)))
         self._layout_ready = True
 
-    def _ensure_state(self) -> None:
-        """Create every parameter's state at once, identically on every rank (DCP needs equal keys)."""
-        for group in self.param_groups:
-            if not group["use_muon"]:
-                for p in group["params"]:
-                    if not self.state[p]:
-                        self.state[p].update(new_adamw_state(p, self.adamw_implementation))
-        for entry in self.muon_params:
-            state = self.state[entry.param]
-            if entry.momentum_on_owner:
-                for key, value in self.storage.placeholders(self.device).items():
-                    state.setdefault(key, value)
-            elif not state:
-                state.update(self.storage.create(entry.param))
-        for s, engine in enumerate(self.engines):
-            if not engine.owners_hold_momentum:
-                continue
-            for u in engine.owned_units():
-                if (s, u) not in self.owner_blocks:
-                    unit = engine.units[u]
-                    self.owner_blocks[(s, u)] = self.storage.create_block(unit.rows, unit.cols, self.device)
-
     # ------------------------------------------------------------------- step
 
     @torch.no_grad()
@@ -268,7 +233,7 @@ class Muon(Optimizer):
         settings.check_step(self.param_groups, self.param_name)
         timer = StepTimer(self.device)
         timer.start("step")
-        self._ensure_state()
+        checkpoint.create_state(self)
         self._align_gradients()
         with phase("check_gradients"):
             verdict = self._agree_on_gradients()

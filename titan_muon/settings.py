@@ -225,6 +225,17 @@ def check_muon_param(p: torch.Tensor, name: str, group: dict) -> None:
         )
 
 
+def check_added_group(param_groups: list[dict], given: dict, adamw_eps: float, name_of=None) -> None:
+    """The checks of the group ``add_param_group`` just appended to `param_groups` (`given`: as
+    the caller passed it): its epsilons, its settings and, once the optimizer is built (`name_of`
+    given), its parameters, before the layout changes."""
+    group, index = param_groups[-1], len(param_groups) - 1
+    settle_eps(group, index, given, adamw_eps)
+    validate_group(group, index)
+    if name_of is not None:
+        check_group_params(group, index, name_of)
+
+
 def check_group_params(group: dict, index: int, name_of) -> None:
     """The checks planning makes of a group's parameters, for a group added after construction,
     before the layout changes; `name_of(group_index, index)` names a parameter."""
