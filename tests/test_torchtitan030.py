@@ -62,6 +62,7 @@ from titan_muon.torchtitan.launch import (  # noqa: E402
     finish,
     local_nodes_rendezvous,
     log_tail,
+    read_checkpoint,
     read_losses,
     read_scalars,
     run_together,
@@ -337,6 +338,31 @@ def test_two_nodes_match_one_node(reference, workdir):
         expected = read_scalars(str(reference), tag)
         assert sorted(expected) == list(range(1, STEPS + 1)), tag
         assert read_scalars(str(workdir / "two_nodes"), tag) == expected, tag
+
+
+@pytest.mark.parametrize("mode", ["async", "async_with_pinned_mem"])
+def test_async_checkpoint_equals_the_synchronous_one_and_resumes_exactly(reference, workdir, mode):
+    """[checkpoint] async_mode, as on 0.2.2 (tests/test_torchtitan_train.py): the reference run's flags
+    with its saves asynchronous log the reference's losses and MuonClip metrics, write a step-4
+    checkpoint equal to the reference's entry by entry, and a run resumed from it continues bit for bit.
+    "async_with_pinned_mem" stages on a background thread while the next step runs and writes from a
+    separate process; on the CPU without pinned memory (titan_muon.torchtitan.cpu.
+    stage_checkpoints_without_accelerator)."""
+    dump = f"async_{mode}"
+    flags = [*CLIPPING, *CHECKPOINT_AT_RESUME_STEP, "--checkpoint.async_mode", mode]
+    train(MUON, tiny(workdir, dump, *flags))
+    for tag in ("loss_metrics/global_avg_loss", "qk_clip/max_logit"):
+        assert read_scalars(str(workdir / dump), tag) == read_scalars(str(reference), tag), tag
+    step = f"step-{RESUME_STEP}"
+    got, expected = (read_checkpoint(str(folder / "checkpoint" / step)) for folder in (workdir / dump, reference))
+    assert sorted(got) == sorted(expected)
+    differ = [k for k, v in expected.items() if not (torch.equal(got[k], v) if isinstance(v, torch.Tensor) else got[k] == v)]
+    assert not differ, differ[:8]
+    shutil.copytree(workdir / dump / "checkpoint" / step, workdir / f"{dump}_resumed" / "checkpoint" / step)
+    train(MUON, tiny(workdir, f"{dump}_resumed", *flags))
+    straight, resumed = read_losses(str(reference)), read_losses(str(workdir / f"{dump}_resumed"))
+    assert sorted(resumed) == list(range(RESUME_STEP + 1, STEPS + 1))
+    assert resumed == {step: straight[step] for step in resumed}  # bit for bit
 
 
 def test_moe_experts_are_all_muon_parameters(workdir):

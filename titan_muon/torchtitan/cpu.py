@@ -146,15 +146,16 @@ def permute_tokens_on_cpu() -> None:
     utils.generate_permute_indices = functools.partial(kernels.generate_permute_indices, use_cpu=True)
 
 
-def stage_checkpoints_without_accelerator() -> None:
-    """torchtitan 0.2.x's checkpointer builds ``DefaultStager(StagingOptions(True, True, True, True))``
-    for ``async_with_pinned_mem``; without an accelerator torch refuses non-blocking copies
-    ("Non-blocking copy requires that the current accelerator is available") and has no pinned
-    memory. Rebinds the name that torchtitan's checkpoint module imported to one that turns those
-    two options off when no accelerator is available and keeps shared memory and async staging."""
+def stage_checkpoints_without_accelerator(module_name: str = "torchtitan.components.checkpoint") -> None:
+    """torchtitan builds ``DefaultStager(StagingOptions(True, True, True, True))`` for
+    ``async_with_pinned_mem`` (0.2.x in ``torchtitan.components.checkpoint``, 0.3.0 in
+    ``torchtitan.components.checkpointer.dcp``); without an accelerator torch refuses non-blocking
+    copies ("Non-blocking copy requires that the current accelerator is available") and has no
+    pinned memory. Rebinds the name that module imported to one that turns those two options off
+    when no accelerator is available and keeps shared memory and async staging."""
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-    checkpoint = importlib.import_module("torchtitan.components.checkpoint")
+    checkpoint = importlib.import_module(module_name)
     original = checkpoint.DefaultStager
     if getattr(original, "stages_without_accelerator", False):
         return
