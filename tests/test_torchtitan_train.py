@@ -249,15 +249,23 @@ FLOAT8 = [
 def test_float8_training_trains_and_resumes_exactly(reference, workdir):
     """torchtitan's float8 converter (torchao Float8Linear, tensorwise scales, float8 all-gather in
     FSDP2, scales precomputed after each optimizer step; emulated float8 matmuls on the CPU):
-    Muon's hidden matrices and the AdamW output head are float8-wrapped DTensors. The loss falls,
-    and a run resumed from step 4 continues bit for bit."""
-    run_training_with_timeout(MUON, tiny(workdir, "float8", *FLOAT8, *CHECKPOINT_AT_RESUME_STEP))
+    Muon's hidden matrices and the AdamW output head are float8-wrapped DTensors, and MuonClip
+    (tau 0.05: every step clips) rescales wq / wk rows through the wrapper. The loss falls, the
+    clipped heads' logits fall, and a run resumed from step 4 continues bit for bit.
+    tests/test_float8_distributed.py checks the step itself against the unconverted model."""
+    flags = [*FLOAT8, "--optimizer.qk_clip_tau", "0.05"]
+    run_training_with_timeout(MUON, tiny(workdir, "float8", *flags, *CHECKPOINT_AT_RESUME_STEP))
     losses = read_losses(str(workdir / "float8"))
     assert sorted(losses) == list(range(1, STEPS + 1))
     assert losses[STEPS] < losses[1]
     # step 1 runs the initial weights: float8 casts change its loss (so the converter ran), a little
     assert losses[1] != read_losses(str(reference))[1]
     assert losses[1] == pytest.approx(read_losses(str(reference))[1], rel=1e-2)
-    resumed = resume_from(workdir / "float8", workdir, "float8_resumed", RESUME_STEP, [*FLOAT8, "--checkpoint.enable"])
+    # The max logit starts at 0.139 and stays 0.12-0.14 without clipping (measured); a clip written into
+    # the float8-wrapped weights brings it to tau = 0.05, and one Muon step moves it to 0.058-0.065.
+    max_logit = read_scalars(str(workdir / "float8"), "qk_clip/max_logit")
+    assert all(v > 0 for v in read_scalars(str(workdir / "float8"), "qk_clip/heads_clipped").values())
+    assert all(max_logit[step] < 0.6 * max_logit[1] for step in range(2, STEPS + 1)), max_logit
+    resumed = resume_from(workdir / "float8", workdir, "float8_resumed", RESUME_STEP, [*flags, "--checkpoint.enable"])
     assert sorted(resumed) == list(range(RESUME_STEP + 1, STEPS + 1))
     assert resumed == {step: losses[step] for step in resumed}
