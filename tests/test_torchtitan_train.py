@@ -211,32 +211,36 @@ def test_async_checkpoint_equals_the_synchronous_one_and_resumes_exactly(referen
 
 ASYNC_EVERY_2 = [
     "--training.steps", "4", "--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.no-last-save-model-only",
-    "--checkpoint.async_mode", "async",
 ]  # fmt: skip
+FP8, OVERLAP = ["--optimizer.momentum_dtype", "fp8"], ["--optimizer.overlap"]
 
 
 @pytest.mark.parametrize(
-    "features",
-    [["--optimizer.momentum_dtype", "fp8"], ["--optimizer.overlap"]],
-    ids=["fp8-momentum", "overlap"],
+    "mode, features",
+    [("async", FP8), ("async", OVERLAP), ("async_with_pinned_mem", [*FP8, *OVERLAP])],
+    ids=["fp8-momentum", "overlap", "pinned-mem-fp8-overlap"],
 )
-def test_async_checkpoint_resumes_exactly(workdir, features):
+def test_async_checkpoint_resumes_exactly(workdir, mode, features):
     """fp8 momentum (codes and per-row exponents) and overlap (momentum held on each matrix's owner,
     gathered back into per-parameter shards by a collective inside state_dict(), which must
-    finish before dcp.async_save returns): a run resumed from the async step-2 checkpoint logs the
-    uninterrupted run's losses at steps 3 and 4 bit for bit."""
-    dump = "async_" + features[-1].removeprefix("--optimizer.")
-    run_training_with_timeout(MUON, tiny(workdir, dump, *ASYNC_EVERY_2, *features))
+    finish before dcp.async_save returns; with "async_with_pinned_mem" the copy of what it built
+    runs on a background thread during the next step's forward and backward): a run resumed
+    from the async step-2 checkpoint logs the uninterrupted run's losses at steps 3 and 4 bit
+    for bit."""
+    flags = [*ASYNC_EVERY_2, "--checkpoint.async_mode", mode, *features]
+    dump = f"async_{mode}_" + "_".join(f.removeprefix("--optimizer.") for f in features)
+    run_training_with_timeout(MUON, tiny(workdir, dump, *flags))
     straight = read_losses(str(workdir / dump))
-    resumed = resume_from(workdir / dump, workdir, f"{dump}_resumed", 2, [*ASYNC_EVERY_2, *features])
+    resumed = resume_from(workdir / dump, workdir, f"{dump}_resumed", 2, flags)
     assert sorted(resumed) == [3, 4]
     assert resumed == {step: straight[step] for step in resumed}
     saved = read_checkpoint(str(workdir / dump / "checkpoint" / "step-2"))
     if "fp8" in features:  # the option took effect: fp8 codes saved, no fp32 momentum
         assert any(k.endswith("momentum_fp8") for k in saved) and not any(k.endswith("momentum_buffer") for k in saved)
-    else:  # overlap sent gradients during backward, and its owners' momentum was saved per parameter
-        assert all(v > 0 for v in read_scalars(str(workdir / dump), "muon/rounds_sent_in_backward").values())
+    else:  # the owners' momentum was saved per parameter
         assert saved["optimizer/state.layers.0.attention.wq.weight.momentum_buffer"].shape == (64, 64)
+    if "--optimizer.overlap" in features:  # overlap sent gradients during backward
+        assert all(v > 0 for v in read_scalars(str(workdir / dump), "muon/rounds_sent_in_backward").values())
 
 
 FLOAT8 = [
