@@ -13,10 +13,10 @@ import copy
 
 import pytest
 import torch
-import torch.nn as nn
+from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 
 from distributed import run_distributed
 from titan_muon import Muon, build_param_groups

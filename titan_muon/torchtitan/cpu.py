@@ -160,7 +160,8 @@ def stage_checkpoints_without_accelerator(module_name: str = "torchtitan.compone
     if getattr(original, "stages_without_accelerator", False):
         return
 
-    def stager(config: StagingOptions = StagingOptions()) -> DefaultStager:
+    def stager(config: StagingOptions | None = None) -> DefaultStager:
+        config = StagingOptions() if config is None else config
         if not torch.accelerator.is_available():
             config = dataclasses.replace(config, use_pinned_memory=False, use_non_blocking_copy=False)
         return original(config)
