@@ -365,6 +365,27 @@ def test_async_checkpoint_equals_the_synchronous_one_and_resumes_exactly(referen
     assert resumed == {step: straight[step] for step in resumed}  # bit for bit
 
 
+def test_async_checkpoint_with_fp8_momentum_and_overlap_resumes_exactly(workdir):
+    """fp8 momentum held on the owners (overlap), saved with "async_with_pinned_mem": state_dict()
+    gathers each parameter's codes and exponents from the owners by a collective on the training
+    thread, then the copy runs on a background thread during step 3's forward and backward (whose
+    hooks send gradients to the owners). A run resumed from step 2 logs steps 3 and 4 bit for bit."""
+    flags = [
+        *CLIPPING, "--optimizer.momentum_dtype", "fp8", "--optimizer.overlap", "--checkpoint.enable",
+        "--checkpoint.interval", "2", "--checkpoint.no-last-save-model-only", "--checkpoint.async_mode", "async_with_pinned_mem",
+    ]  # fmt: skip
+    train(MUON, tiny(workdir, "async_fp8_overlap", *flags, steps=4))
+    straight = workdir / "async_fp8_overlap"
+    assert all(v > 0 for v in read_scalars(str(straight), "muon/rounds_sent_in_backward").values())
+    saved = read_checkpoint(str(straight / "checkpoint" / "step-2"))
+    assert any(k.endswith("momentum_fp8") for k in saved) and not any(k.endswith("momentum_buffer") for k in saved)
+    shutil.copytree(straight / "checkpoint" / "step-2", workdir / "async_fp8_overlap_resumed" / "checkpoint" / "step-2")
+    train(MUON, tiny(workdir, "async_fp8_overlap_resumed", *flags, steps=4))
+    expected, resumed = read_losses(str(straight)), read_losses(str(workdir / "async_fp8_overlap_resumed"))
+    assert sorted(resumed) == [3, 4]
+    assert resumed == {step: expected[step] for step in resumed}
+
+
 def test_moe_experts_are_all_muon_parameters(workdir):
     """MLA + MoE (tiny_moe: 6 routed experts split over 2 expert-parallel ranks), with the TOML's
     fp8 momentum and backward overlap: the build log puts every routed expert stack in Muon."""
