@@ -64,6 +64,7 @@ from titan_muon.torchtitan.launch import (  # noqa: E402
     finish,
     local_nodes_rendezvous,
     log_tail,
+    read_checkpoint,
     read_losses,
     read_scalars,
     run_together,
@@ -387,6 +388,52 @@ def test_two_nodes_match_one_node(reference, workdir):
         expected = read_scalars(str(reference), tag)
         assert sorted(expected) == list(range(1, STEPS + 1)), tag
         assert read_scalars(str(workdir / "two_nodes"), tag) == expected, tag
+
+
+@pytest.mark.parametrize("mode", ["async", "async_with_pinned_mem"])
+def test_async_checkpoint_equals_the_synchronous_one_and_resumes_exactly(reference, workdir, mode):
+    """[checkpoint] async_mode, as on 0.2.2 (tests/test_torchtitan_train.py): the reference run's flags
+    with its saves asynchronous log the reference's losses and MuonClip metrics, write a step-4
+    checkpoint equal to the reference's entry by entry, and a run resumed from it continues bit for bit.
+    "async_with_pinned_mem" stages on a background thread while the next step runs and writes from a
+    separate process; on the CPU without pinned memory (titan_muon.torchtitan.cpu.
+    stage_checkpoints_without_accelerator)."""
+    dump = f"async_{mode}"
+    flags = [*CLIPPING, *CHECKPOINT_AT_RESUME_STEP, "--checkpoint.async_mode", mode]
+    train(MUON, tiny(workdir, dump, *flags))
+    for tag in ("loss_metrics/global_avg_loss", "qk_clip/max_logit"):
+        assert read_scalars(str(workdir / dump), tag) == read_scalars(str(reference), tag), tag
+    step = f"step-{RESUME_STEP}"
+    got, expected = (read_checkpoint(str(folder / "checkpoint" / step)) for folder in (workdir / dump, reference))
+    assert sorted(got) == sorted(expected)
+    differ = [k for k, v in expected.items() if not (torch.equal(got[k], v) if isinstance(v, torch.Tensor) else got[k] == v)]
+    assert not differ, differ[:8]
+    shutil.copytree(workdir / dump / "checkpoint" / step, workdir / f"{dump}_resumed" / "checkpoint" / step)
+    train(MUON, tiny(workdir, f"{dump}_resumed", *flags))
+    straight, resumed = read_losses(str(reference)), read_losses(str(workdir / f"{dump}_resumed"))
+    assert sorted(resumed) == list(range(RESUME_STEP + 1, STEPS + 1))
+    assert resumed == {step: straight[step] for step in resumed}  # bit for bit
+
+
+def test_async_checkpoint_with_fp8_momentum_and_overlap_resumes_exactly(workdir):
+    """fp8 momentum held on the owners (overlap), saved with "async_with_pinned_mem": state_dict()
+    gathers each parameter's codes and exponents from the owners by a collective on the training
+    thread, then the copy runs on a background thread during step 3's forward and backward (whose
+    hooks send gradients to the owners). A run resumed from step 2 logs steps 3 and 4 bit for bit."""
+    flags = [
+        *CLIPPING, "--optimizer.momentum_dtype", "fp8", "--optimizer.overlap", "--checkpoint.enable",
+        "--checkpoint.interval", "2", "--checkpoint.no-last-save-model-only", "--checkpoint.async_mode", "async_with_pinned_mem",
+    ]  # fmt: skip
+    train(MUON, tiny(workdir, "async_fp8_overlap", *flags, steps=4))
+    straight = workdir / "async_fp8_overlap"
+    assert all(v > 0 for v in read_scalars(str(straight), "muon/rounds_sent_in_backward").values())
+    saved = read_checkpoint(str(straight / "checkpoint" / "step-2"))
+    assert any(k.endswith("momentum_fp8") for k in saved) and not any(k.endswith("momentum_buffer") for k in saved)
+    shutil.copytree(straight / "checkpoint" / "step-2", workdir / "async_fp8_overlap_resumed" / "checkpoint" / "step-2")
+    train(MUON, tiny(workdir, "async_fp8_overlap_resumed", *flags, steps=4))
+    expected, resumed = read_losses(str(straight)), read_losses(str(workdir / "async_fp8_overlap_resumed"))
+    assert sorted(resumed) == [3, 4]
+    assert resumed == {step: expected[step] for step in resumed}
 
 
 def test_moe_experts_are_all_muon_parameters(workdir):
