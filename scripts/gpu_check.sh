@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # GPU checks, for a machine with a CUDA GPU (see docs/performance.md, "GPU"):
 #   1. the CUDA tests (one-rank NCCL, host syncs counted on the real device) and the meta suite;
-#   2. scripts/bench_gpu.py: bf16 Newton-Schulz against torch.mm, Muon's step against AdamW's;
+#   2. scripts/bench_gpu.py: bf16 Newton-Schulz against torch.mm; Muon's step with its element-wise
+#      passes eager and compiled (compile_elementwise) against AdamW's default and fused steps: time,
+#      NS time, "beyond NS" over fused AdamW's step, peak memory each step allocates;
 #   3. scripts/measure_qk_clip_recording.py --long: MuonClip's max-logit recording against the
 #      SDPA forward at sequence length 8192 (time, peak extra memory), Llama-3-8B and DeepSeek-V3
 #      layers (docs/muonclip.md, "Memory and time at sequence length 8192"), and with --flex the
