@@ -29,6 +29,8 @@ ADAMW = ("bias", "head", "scale")
 # The defaults' DeMo-Muon (issue 27): α = 1 and a shared Nesterov momentum over the average.
 SETTINGS = dict(lr=0.02, weight_decay=0.01, momentum=0.99, nesterov=True, ns_algorithm="standard", demo_chunk=64, demo_topk=8, demo_alpha=1.0,
                 demo_shared_momentum=True)  # fmt: skip
+# DeMo as published (before issue 27): no shared momentum, α 0.2, no Nesterov.
+PUBLISHED = {**SETTINGS, "nesterov": False, "demo_alpha": 0.2, "demo_shared_momentum": False}
 ADAMW_SETTINGS = dict(lr=0.01, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
 BATCH = 8  # per replica, split over its shards
 
@@ -94,6 +96,8 @@ def _record_q(opt, steps: list[dict], inputs: list[dict]) -> None:
         for batch, ns_input in zip(batches, out):
             for u, matrix in zip(batch.units, ns_input):
                 inputs[-1][name(engine, u)] = matrix.clone()
+                if not opt.demo.shared_momentum:  # Newton–Schulz gets q itself
+                    steps[-1][name(engine, u)] = matrix.clone()
         return out
 
     def recording_shared(s, engine, batch, average, *args):
@@ -105,14 +109,14 @@ def _record_q(opt, steps: list[dict], inputs: list[dict]) -> None:
     opt.replicas._shared_momentum_input = recording_shared
 
 
-def _demo_run(rank, world, replicas, shards, steps, fed_grads=None):
+def _demo_run(rank, world, replicas, shards, steps, fed_grads=None, settings=SETTINGS):
     """`fed_grads[step][replica]`: whole gradients to use instead of this run's own (after
     checking they are close): another layout's gradients, so that only the layout differs."""
     mesh = init_device_mesh("cpu", (replicas, shards), mesh_dim_names=("dp_replicate", "dp_shard"))
     replica, shard = mesh.get_coordinate()
     model = Net()
     fully_shard(model, mesh=mesh["dp_shard"])
-    opt = Muon(_groups(model), **SETTINGS, demo=True, replicate_group=mesh.get_group("dp_replicate"))
+    opt = Muon(_groups(model), **settings, demo=True, replicate_group=mesh.get_group("dp_replicate"))
     record = {"initial": {n: _full(p) for n, p in model.named_parameters()}, "grads": [], "params": [], "momenta": [], "q": [], "metrics": [],
               "shared": [], "input": []}  # fmt: skip
     _record_q(opt, record["q"], record["input"])
@@ -133,7 +137,7 @@ def _demo_run(rank, world, replicas, shards, steps, fed_grads=None):
         opt.zero_grad()
         record["params"].append({n: _full(p) for n, p in model.named_parameters()})
         record["momenta"].append(_owner_momenta(opt))
-        record["shared"].append(_owner_momenta(opt, SHARED_MOMENTUM_KEY))
+        record["shared"].append(_owner_momenta(opt, SHARED_MOMENTUM_KEY) if settings["demo_shared_momentum"] else {})
         record["metrics"].append(dict(opt.last_step_metrics))
     engines = opt.engines
     record["owned"] = [opt.muon_params[engines[s].units[u].param].name for s, u in opt.owner_blocks]
@@ -165,7 +169,7 @@ NS_GAIN = 2 * 4**5
 U = U32
 
 
-def _check_against_reference(rep, replicas, steps, what):
+def _check_against_reference(rep, replicas, steps, what, settings=SETTINGS):
     """Every step, ReferenceDeMoMuon takes one step from the titan run's own state before it
     (parameters, every replica's momenta) with the gradients the run used, and the run's result
     must match it. Teacher-forced like test_demo's per-step test, so each bound covers one step's
@@ -183,15 +187,16 @@ def _check_against_reference(rep, replicas, steps, what):
       elementwise on the same inputs: at most the last bit of p after each of its two roundings.
 
     Returns per step the largest fraction of an allowance used (momenta/q, parameters)."""
-    s, beta, chunk, topk, alpha = SETTINGS, SETTINGS["momentum"], SETTINGS["demo_chunk"], SETTINGS["demo_topk"], SETTINGS["demo_alpha"]
+    s, beta, chunk, topk, alpha = settings, settings["momentum"], settings["demo_chunk"], settings["demo_topk"], settings["demo_alpha"]
+    shared = settings["demo_shared_momentum"]
     used = []
     for step in range(steps):
         before = rep[0]["initial"] if step == 0 else rep[0]["params"][step - 1]
         grads = [rep[r]["grads"][step] for r in range(replicas)]
-        muon = ReferenceDeMoMuon(replicas, s["lr"], s["weight_decay"], beta, chunk, topk, alpha, shared_momentum=True, nesterov=s["nesterov"])
+        muon = ReferenceDeMoMuon(replicas, s["lr"], s["weight_decay"], beta, chunk, topk, alpha, shared_momentum=shared, nesterov=s["nesterov"])
         if step > 0:
             muon.momenta = [{n: rep[r]["momenta"][step - 1][n].clone() for n in MUON} for r in range(replicas)]
-            muon.shared = {n: rep[0]["shared"][step - 1][n].clone() for n in MUON}
+            muon.shared = {n: rep[0]["shared"][step - 1][n].clone() for n in MUON} if shared else {}
         shared_before = {n: muon.shared.get(n, torch.zeros_like(before[n])).double().abs() for n in MUON}
         old = [{n: muon.momenta[r].get(n, torch.zeros_like(before[n])).clone() for n in MUON} for r in range(replicas)]
         accumulated = [{n: old[r][n] * beta + grads[r][n] for n in MUON} for r in range(replicas)]  # as both round it
@@ -217,14 +222,16 @@ def _check_against_reference(rep, replicas, steps, what):
             # reference: βS + (1 − β)q), ≤ 4 roundings of magnitudes ≤ |S| + |q| each, w and β
             # rounded to fp32 included: 8u(|S| + |q|) for both. The Nesterov input (1 − β)q + βS'
             # likewise: (1 − β)·q_bound + β·S_bound + 8u(|S'| + |q|).
-            q_abs = q_ref.double().abs() + q_bound
-            s_bound = (1 - beta) * q_bound + 8 * U * (shared_before[n] + q_abs)
-            s_ref = muon.shared[n].double()
-            for r in range(replicas):
-                diff = (rep[r]["shared"][step][n].double() - s_ref).abs()
-                assert (diff <= s_bound).all(), f"{what} step {step} shared momentum of {n} in replica {r}: {(diff / s_bound).max():.3g} of the bound"
-            worst[0] = max(worst[0], (diff / s_bound).max().item())
-            in_bound = (1 - beta) * q_bound + beta * s_bound + 8 * U * (s_ref.abs() + s_bound + q_abs) if s["nesterov"] else s_bound
+            in_bound = q_bound
+            if shared:
+                q_abs = q_ref.double().abs() + q_bound
+                s_bound = (1 - beta) * q_bound + 8 * U * (shared_before[n] + q_abs)
+                s_ref = muon.shared[n].double()
+                for r in range(replicas):
+                    diff = (rep[r]["shared"][step][n].double() - s_ref).abs()
+                    assert (diff <= s_bound).all(), f"{what} step {step} shared momentum of {n} in replica {r}: {(diff / s_bound).max():.3g} of the bound"
+                worst[0] = max(worst[0], (diff / s_bound).max().item())
+                in_bound = (1 - beta) * q_bound + beta * s_bound + 8 * U * (s_ref.abs() + s_bound + q_abs) if s["nesterov"] else s_bound
             ns_in, ns_in_ref = rep[0]["input"][step][n], muon.last_input[n]
             assert torch.equal(ns_in, rep[1]["input"][step][n]), f"{what} step {step}: the NS input of {n} differs between replicas"
             diff = (ns_in.double() - ns_in_ref.double()).abs()
@@ -297,6 +304,15 @@ def test_layout_independence_one_vs_two_shards(two_by_two):
         for n, p in rep2[0]["params"][step].items():
             bound = (step + 1) * 2 * FP32_ULP * p.abs().max().item()
             assert (rep1[0]["params"][step][n] - p).abs().max().item() <= bound, (step, n)
+
+
+def test_published_demo_follows_the_reference():
+    """DeMo as published (demo_shared_momentum=False, α 0.2, no Nesterov) on R = 2 × S = 1: Newton–
+    Schulz gets the replicas' average itself, and every step matches ReferenceDeMoMuon without
+    the shared momentum within the same bounds; no shared momentum state exists."""
+    rep = _by_replica(run_distributed(_demo_run, 2, 2, 1, 3, None, PUBLISHED), 2)
+    _check_against_reference(rep, 2, 3, "published R=2 S=1", PUBLISHED)
+    assert all(not shared for r in rep for shared in r["shared"])
 
 
 def test_bytes_metrics(two_by_two):
