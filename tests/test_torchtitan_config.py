@@ -79,12 +79,12 @@ def test_invalid_optimizer_value_is_named(tmp_path, line, key):
 @pytest.mark.parametrize(
     "flags, message",
     [
-        ((), r"\[optimizer\] demo = true needs nesterov = false"),
+        (("--optimizer.no-demo_shared_momentum",), r"\[optimizer\] demo = true with demo_shared_momentum = false needs nesterov = false"),
         (("--optimizer.no-nesterov", "--optimizer.demo_chunk", "0"), r"\[optimizer\] demo_chunk"),
         (("--optimizer.no-nesterov", "--optimizer.demo_topk", "5000"), r"\[optimizer\] demo_topk"),
         (("--optimizer.no-nesterov", "--optimizer.demo_alpha", "2"), r"\[optimizer\] demo_alpha"),
-        (("--optimizer.no-nesterov", "--optimizer.momentum_dtype", "bf16"), r"\[optimizer\] momentum_dtype"),
-        (("--optimizer.no-nesterov", "--optimizer.overlap"), r"\[optimizer\] demo = true does not support overlap"),
+        (("--optimizer.momentum_dtype", "bf16"), r"\[optimizer\] momentum_dtype"),
+        (("--optimizer.overlap",), r"\[optimizer\] demo = true does not support overlap"),
         (("--optimizer.no-nesterov", "--optimizer.name", "AdamW", "--optimizer.no-qk_clip"), r'demo = true needs name = "Muon"'),
     ],
 )
@@ -97,10 +97,32 @@ def test_demo_settings_are_checked(flags, message):
 def test_demo_keys_reach_the_optimizer():
     from titan_muon.torchtitan.optimizer import muon_kwargs
 
-    optimizer = parse("--optimizer.demo", "--optimizer.no-nesterov", "--optimizer.demo_topk", "4").optimizer
+    optimizer = parse("--optimizer.demo", "--optimizer.no-nesterov", "--optimizer.demo_topk", "4", "--optimizer.no-demo_shared_momentum").optimizer
     validate_optimizer_config(optimizer)
     kwargs = muon_kwargs(optimizer)
-    assert (kwargs["demo"], kwargs["demo_chunk"], kwargs["demo_topk"], kwargs["demo_alpha"]) == (True, 64, 4, 0.2)
+    assert (kwargs["demo"], kwargs["demo_chunk"], kwargs["demo_topk"], kwargs["demo_alpha"]) == (True, 64, 4, 1.0)
+    assert kwargs["demo_shared_momentum"] is False
+
+
+def test_demo_is_one_switch_on_the_shipped_config(tmp_path):
+    """``--optimizer.demo`` on the shipped Muon config (momentum 0.95, nesterov = true, fp32
+    momentum) is valid as it is: the shared momentum is the config's Nesterov momentum. The same
+    in the TOML (``demo = true``). Only a setting made explicitly against DeMo is refused, by name."""
+    from titan_muon.torchtitan.optimizer import muon_kwargs
+
+    optimizer = parse("--optimizer.demo").optimizer
+    validate_optimizer_config(optimizer)
+    kwargs = muon_kwargs(optimizer)
+    assert kwargs["demo"] and kwargs["demo_shared_momentum"] and kwargs["nesterov"] and kwargs["momentum_dtype"] == "fp32"
+    toml = tmp_path / "demo.toml"
+    text = Path(MUON_TOML).read_text()
+    assert text.count("\ndemo = false ") == 1
+    toml.write_text(text.replace("\ndemo = false ", "\ndemo = true ", 1))
+    from_toml = parse(toml=str(toml)).optimizer
+    assert from_toml.demo
+    validate_optimizer_config(from_toml)
+    with pytest.raises(ValueError, match=r"\[optimizer\] momentum_dtype"):
+        validate_optimizer_config(parse("--optimizer.demo", "--optimizer.momentum_dtype", "bf16").optimizer)
 
 
 def test_demo_parallelizes_without_replicas():

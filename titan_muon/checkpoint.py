@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from titan_muon.commit import adamw_step_device, new_adamw_state
+from titan_muon.demo_step import replica_keys
 from titan_muon.owner_state import blocks_to_shards, shards_to_blocks
 from titan_muon.settings import GROUP_KEYS
 from titan_muon.transport import uncounted
@@ -57,9 +58,9 @@ def state_dict(opt, state_dict: dict) -> dict:
     if states is None:
         return state_dict
     held = list(states)
-    if opt.replicas is not None:
+    if opt.replicas is not None:  # a replica-identical key (DeMo's shared momentum) is saved once, like the weights
         for p in held:
-            for key in opt.storage.tensor_keys:
+            for key in replica_keys(opt.storage):
                 states[p][key] = opt.replicas.stacked(states[p][key], p)
     index_of = {id(p): i for i, p in enumerate(p for g in opt.param_groups for p in g["params"])}
     for p in held:
@@ -168,7 +169,7 @@ def _move_loaded_momentum_to_owners(opt) -> None:
     states = {e.param: dict(opt.state[e.param]) for e in sharded}
     if opt.replicas is not None:  # every replica takes its own slice (checked against the replica count first)
         for e in sharded:
-            states[e.param].update({k: opt.replicas.own_slice(states[e.param][k], e.param, e.name) for k in tensors})
+            states[e.param].update({k: opt.replicas.own_slice(states[e.param][k], e.param, e.name) for k in replica_keys(opt.storage)})
     _send_to_owners(opt, states)
     for e in sharded:
         placeholders = opt.storage.placeholders(opt.device)

@@ -35,7 +35,7 @@ from torch.optim import Optimizer
 
 from titan_muon import checkpoint, demo, settings
 from titan_muon.commit import StepWork, adamw_step, commit, stage_momentum
-from titan_muon.demo_step import Replicas, check_groups, demo_settings
+from titan_muon.demo_step import Replicas, check_groups, demo_settings, demo_storage
 from titan_muon.exchange import EngineSettings, ExchangeEngine, StepFailure, agree_on_success, build_engines
 from titan_muon.matrix_step import MatrixStep
 from titan_muon.metrics import state_bytes, step_metrics, wire_bytes
@@ -73,7 +73,8 @@ class Muon(Optimizer):
         momentum_dtype: "fp32", "bf16" or "fp8" (state.py);
         overlap: momentum on the owners, gradients sent during backward (overlap.py);
         pipeline_group: a non-finite gradient in any stage raises or skips in every stage;
-        demo, demo_chunk, demo_topk, demo_alpha, replicate_group: DeMo across replicas (demo_step.py);
+        demo, demo_chunk, demo_topk, demo_alpha, demo_shared_momentum, replicate_group: DeMo across
+            replicas (demo_step.py);
         hierarchical_exchange ("auto", True, False), ranks_per_node: two-stage all-to-alls,
             within nodes and along rails (docs/exchange.md, "W = 4096");
         compile_elementwise: the element-wise passes as ``torch.compile``d kernels, one pass
@@ -112,6 +113,7 @@ class Muon(Optimizer):
         demo_chunk: int = demo.DEFAULT_CHUNK,
         demo_topk: int = demo.DEFAULT_TOPK,
         demo_alpha: float = demo.DEFAULT_ALPHA,
+        demo_shared_momentum: bool = demo.DEFAULT_SHARED_MOMENTUM,
         replicate_group=None,
         hierarchical_exchange: bool | str = "auto",
         ranks_per_node: int | None = None,
@@ -120,7 +122,8 @@ class Muon(Optimizer):
         ns_eps = settings.newton_schulz_eps(eps, ns_eps)
         settings.check_options(ns_dtype, comm_dtype, nonfinite_grads, adamw_implementation)
         settings.check_hierarchy(hierarchical_exchange, ranks_per_node)
-        self.demo = demo_settings(demo, demo_chunk, demo_topk, demo_alpha, replicate_group, momentum_dtype=momentum_dtype, overlap=overlap)
+        self.demo = demo_settings(demo, demo_chunk, demo_topk, demo_alpha, replicate_group, momentum_dtype=momentum_dtype, overlap=overlap,
+                                  shared_momentum=demo_shared_momentum)  # fmt: skip
         self.replicate_group = replicate_group
         self.hierarchical_exchange, self.ranks_per_node = hierarchical_exchange, ranks_per_node
         self.compile_elementwise = compile_elementwise
@@ -131,7 +134,7 @@ class Muon(Optimizer):
         self.nonfinite_grads, self.row_blocks, self.overlap = nonfinite_grads, dict(row_blocks or {}), overlap
         self.adamw_implementation = adamw_implementation
         self.pipeline_group = pipeline_group
-        self.storage = momentum_storage(momentum_dtype)
+        self.storage = momentum_storage(momentum_dtype) if self.demo is None else demo_storage(self.demo)
         self._overlaps: list[BackwardOverlap | None] = []
         defaults = dict(
             lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
@@ -193,7 +196,7 @@ class Muon(Optimizer):
         self.newton_schulz = Orthogonalizer(lambda: self.param_groups, self.ns_precision, self.device)
         self.elementwise = elementwise_for(self.compile_elementwise, self.device)
         if self.demo is not None:
-            check_groups(self.param_groups)
+            check_groups(self.param_groups, self.demo)
         self._names = [self.param_name(gi, pi) for gi, g in enumerate(self.param_groups) for pi in range(len(g["params"]))]
         self.muon_params: list[MuonParam] = collect_muon_params(self.param_groups, self.param_name)
         rank_sets, covering = locate(self.muon_params)

@@ -45,6 +45,7 @@ def muon_kwargs(config: Any) -> dict[str, Any]:
         demo_chunk=config.demo_chunk,
         demo_topk=config.demo_topk,
         demo_alpha=config.demo_alpha,
+        demo_shared_momentum=config.demo_shared_momentum,
         hierarchical_exchange={"auto": "auto", "on": True, "off": False}[config.hierarchical_exchange],
         ranks_per_node=config.ranks_per_node,
     )
