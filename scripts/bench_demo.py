@@ -7,10 +7,13 @@ Three torchtitan runs on 4 CPU ranks (torchrun, gloo), HSDP-style layout
 ``data_parallel_replicate_degree 2 × data_parallel_shard_degree 2``, same seed, same batches
 (the data loader sees 4 data-parallel ranks in every run), same lr schedule:
 
-* ``demo``:  train_configs/llama3_gqa_muon.toml with ``[optimizer] demo = true`` (chunk 64,
-  top-k 8, α 0.2: the defaults), β = ``--demo-momentum`` (0.999, the paper's), no Nesterov.
-  FSDP2 on each replica's shard mesh; the replicas exchange DeMo payloads of the Muon matrices
-  and all-reduce the AdamW tensors' gradients (embeddings, output head, norms).
+* ``demo``:  train_configs/llama3_gqa_muon.toml with ``--optimizer.demo`` and nothing else (the
+  one switch: chunk 64, top-k 8, α 1, the shared momentum over the replicas' average with the
+  config's momentum 0.95 and Nesterov; issue 27). FSDP2 on each replica's shard mesh; the
+  replicas exchange DeMo payloads of the Muon matrices and all-reduce the AdamW tensors'
+  gradients (embeddings, output head, norms).
+* ``demo:β:k``: DeMo as published (before issue 27): no shared momentum, α 0.2, no Nesterov,
+  β = momentum, top-k k (``demo:0.999:8`` was the ``demo`` run of the first benchmark).
 * ``muon``:  the same config without demo: plain HSDP (momentum 0.95, Nesterov: the config's).
 * ``adamw``: train_configs/llama3_gqa_adamw.toml, plain HSDP.
 
@@ -65,11 +68,19 @@ DEFAULT_TOPK = 8
 
 
 def demo_settings(name: str, args) -> tuple[float, int]:
-    """(β, top-k) of a DeMo run: ``demo`` (--demo-momentum, k 8) or a variant ``demo:β:k``."""
-    if name == "demo":
-        return args.demo_momentum, DEFAULT_TOPK
+    """(β, top-k) of a published-DeMo variant ``demo:β:k``."""
     _, beta, topk = name.split(":")
     return float(beta), int(topk)
+
+
+def demo_overrides(name: str, args) -> list[str]:
+    """``demo``: the one switch (everything else the shipped config's and DeMo's defaults);
+    ``demo:β:k``: DeMo as published, every setting explicit."""
+    if name == "demo":
+        return ["--optimizer.demo"]
+    beta, topk = demo_settings(name, args)
+    return ["--optimizer.demo", "--optimizer.no-demo_shared_momentum", "--optimizer.demo_alpha", "0.2",
+            "--optimizer.no-nesterov", "--optimizer.momentum", str(beta), "--optimizer.demo_topk", str(topk)]  # fmt: skip
 
 
 def folder(name: str, args) -> Path:
@@ -80,9 +91,11 @@ def folder(name: str, args) -> Path:
 
 
 def label(name: str, args) -> str:
+    if name == "demo":
+        return f"DeMo-Muon (one switch: α 1, shared Nesterov momentum 0.95, k {DEFAULT_TOPK})"
     if name.startswith("demo"):
         beta, topk = demo_settings(name, args)
-        return f"DeMo-Muon (β {beta:g}, k {topk})"
+        return f"DeMo-Muon as published (α 0.2, β {beta:g}, k {topk})"
     return LABELS[name]
 
 
@@ -142,9 +155,7 @@ def train(name: str, args) -> dict:
         "--validation.local_batch_size", "4", "--validation.seq_len", "256",
     ]  # fmt: skip
     if name.startswith("demo"):
-        beta, topk = demo_settings(name, args)
-        overrides += ["--optimizer.demo", "--optimizer.no-nesterov", "--optimizer.momentum", str(beta)]
-        overrides += ["--optimizer.demo_topk", str(topk)]
+        overrides += demo_overrides(name, args)
     config = CONFIGS["muon" if name.startswith("demo") else name]
     command = torchrun_command(config, overrides, nproc=REPLICAS * SHARDS, entry=(str(Path(__file__).resolve()),))
     env = {WORKER_ENV: "1", "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
@@ -305,7 +316,6 @@ def main() -> None:
         return worker()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=240)
-    parser.add_argument("--demo-momentum", type=float, default=0.999, help="DeMo's β (the paper's 0.999)")
     parser.add_argument("--val-freq", type=int, default=20, help="held-out loss every this many steps (and at step 1)")
     parser.add_argument("--val-steps", type=int, default=8, help="held-out batches (4 × 256 tokens) per rank")
     parser.add_argument("--window", type=int, default=20, help="steps averaged for the final train loss")

@@ -10,6 +10,7 @@ last column is pure rounding error.
     python scripts/bench_newton_schulz.py                  # speed + accuracy, writes docs/newton_schulz.md
     python scripts/bench_newton_schulz.py --sweep          # aspect-ratio sweep for resolve_algorithm
     python scripts/bench_newton_schulz.py --no-accuracy --repeats 3 --no-write   # quick look
+    python scripts/bench_newton_schulz.py --restarts --restart-dtypes fp16   # run splits in fp16
 
 Writes the sections "## Speed" and "## Accuracy" of docs/newton_schulz.md unless --no-write.
 """
@@ -30,7 +31,7 @@ import torch
 from titan_muon.newton_schulz import coefficient_schedule, gram_iterations, newton_schulz_flops, orthogonalize
 
 ROOT = Path(__file__).resolve().parents[1]
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # Transformer shapes scaled down 4x per side: attention 4096² -> 1024², GQA k/v 1024x4096 -> 256x1024,
 # MLP 4096x14336 -> 1024x3584; then a batch of 4 of each (what a bucket of equal shapes runs).
 SPEED_SHAPES = "1024x1024,256x1024,1024x3584,4x1024x1024,4x256x1024,4x1024x3584"
@@ -98,11 +99,11 @@ def errors(out: torch.Tensor, polar: torch.Tensor, polynomial: torch.Tensor) -> 
 
 
 def gram_with_runs(matrix: torch.Tensor, method: str, dtype: torch.dtype, runs: tuple[int, ...]) -> torch.Tensor:
-    """Gram Newton–Schulz with the given run lengths instead of gram_segments' (2, 3)."""
-    x = matrix.to(dtype)
+    """Gram Newton–Schulz with the given run lengths instead of gram_segments' (2 + 3; fp16: 2 + 2 + 1)."""
+    x = matrix.to(torch.float32 if dtype == torch.float16 else dtype)  # fp16: scaled first, as orthogonalize does
     x = x.mT if x.size(0) > x.size(1) else x
     x = x / (torch.linalg.vector_norm(x) * (1.01 if method == "polar_express" else 1.0))
-    out = gram_iterations(x, coefficient_schedule(method, 5), runs)
+    out = gram_iterations(x.to(dtype), coefficient_schedule(method, 5), runs)
     return out.mT if matrix.size(0) > matrix.size(1) else out
 
 
@@ -141,7 +142,7 @@ def restart_rows(shape: tuple[int, int], dtype_names: list[str], splits: list[tu
                     _, polynomial = exact_targets(matrix, method)
                     dtype = DTYPES[dtype_name]
                     outs = [orthogonalize(matrix.float(), 5, method, dtype)] + [gram_with_runs(matrix.float(), method, dtype, r) for r in splits]
-                    errs = [torch.linalg.matrix_norm(o.double() - polynomial, 2).item() for o in outs]
+                    errs = [torch.linalg.matrix_norm(o.double() - polynomial, 2).item() if o.isfinite().all() else float("inf") for o in outs]
                     worst = [max(w, e) for w, e in zip(worst, errs)]
                 rows.append(f"| {label} | {dtype_name} | {method} | {kind} | " + " | ".join(f"{w:.2g}" for w in worst) + " |")
                 print(rows[-1], flush=True)
@@ -180,6 +181,7 @@ def main() -> None:
     parser.add_argument("--no-accuracy", action="store_true")
     parser.add_argument("--restarts", action="store_true", help="only the table of run splits (why gram_segments restarts where it does)")
     parser.add_argument("--restart-shapes", default="256x896,64x256,96x96")
+    parser.add_argument("--restart-dtypes", default="fp32,bf16", help="fp32,bf16 writes '## Restarts'; others their own section")
     parser.add_argument("--seeds", type=int, default=4, help="inputs per cell of the --restarts table")
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
@@ -190,19 +192,21 @@ def main() -> None:
     header = [f"Command: `{command.strip()}`  ", f"Machine: {machine()}.", ""]
     if args.restarts:
         splits = [(5,), (1, 4), (4, 1), (3, 2), (2, 3), (2, 2, 1)]
+        dtype_names = args.restart_dtypes.split(",")
+        heading = "## Restarts" if dtype_names == ["fp32", "bf16"] else f"## Restarts in {', '.join(dtype_names)}"
         table = [
             "| shape | dtype | coefficients | matrix | standard | " + " | ".join("runs " + "+".join(map(str, r)) for r in splits) + " |",
             "|---|---|---|---|---|" + "---|" * len(splits),
-            *[row for shape in args.restart_shapes.split(",") for row in restart_rows(parse_shape(shape), ["fp32", "bf16"], splits, args.seeds)],
+            *[row for shape in args.restart_shapes.split(",") for row in restart_rows(parse_shape(shape), dtype_names, splits, args.seeds)],
         ]
         note = (
             f"Worst over {args.seeds} inputs of ‖O − U f(S) Vᵀ‖₂ (rounding error alone), 5 steps; "
-            "runs L1+L2+...: steps between restarts (gram_segments(5) = 2+3)."
+            "runs L1+L2+...: steps between restarts (gram_segments(5) = 2+3; in fp16 2+2+1); inf: overflowed."
         )
-        body = "\n".join(["## Restarts", "", *header, note, "", *table, ""])
+        body = "\n".join([heading, "", *header, note, "", *table, ""])
         print(body)
         if not args.no_write:
-            write_section(ROOT / "docs" / "newton_schulz.md", "## Restarts", body)
+            write_section(ROOT / "docs" / "newton_schulz.md", heading, body)
         return
     table = ["| shape | dtype | standard ms | gram ms | gram / standard time | gram / standard FLOPs |", "|---|---|---|---|---|---|"]
     shapes = [parse_shape(s) for s in (SWEEP_SHAPES if args.sweep else args.shapes).split(",")]

@@ -65,13 +65,23 @@ def reference_send(momentum: torch.Tensor, chunk: int, topk: int) -> tuple[torch
 
 
 class ReferenceDeMoMuon:
-    """R replicas, each with its own momentum per matrix; parameters shared (they stay equal)."""
+    """R replicas, each with its own momentum per matrix; parameters shared (they stay equal).
 
-    def __init__(self, replicas, lr, weight_decay=0.0, beta=0.95, chunk=64, topk=8, alpha=0.2, ns_steps=5, adjust_lr_fn=None):
+    With ``shared_momentum`` (issue 27) one more buffer per matrix, the same for all replicas:
+    S = β·S + (1 − β)·q over the average q, and Newton–Schulz gets (1 − β)·q + β·S with
+    ``nesterov`` (else S), β being the same ``beta`` as the replicas' own buffers.
+    ``shared_momentum=False`` (and nesterov is then ignored) is the original DeMo-Muon: NS gets q.
+    """
+
+    def __init__(self, replicas, lr, weight_decay=0.0, beta=0.95, chunk=64, topk=8, alpha=0.2, ns_steps=5, adjust_lr_fn=None,
+                 shared_momentum=False, nesterov=False):  # fmt: skip
         self.replicas, self.lr, self.wd, self.beta = replicas, lr, weight_decay, beta
         self.chunk, self.topk, self.alpha, self.ns_steps, self.adjust = chunk, topk, alpha, ns_steps, adjust_lr_fn
+        self.shared_momentum, self.nesterov = shared_momentum, nesterov
         self.momenta: list[dict[str, torch.Tensor]] = [{} for _ in range(replicas)]
+        self.shared: dict[str, torch.Tensor] = {}
         self.last_q: dict[str, torch.Tensor] = {}
+        self.last_input: dict[str, torch.Tensor] = {}
 
     def step(self, params: dict[str, torch.Tensor], grads: list[dict[str, torch.Tensor]]) -> None:
         assert len(grads) == self.replicas
@@ -85,6 +95,12 @@ class ReferenceDeMoMuon:
                 sent_by_replica.append(sent)
             q = sum(sent_by_replica) / self.replicas
             self.last_q[name] = q
-            u = orthogonalize(q, self.ns_steps, dtype=p.dtype)
+            ns_input = q
+            if self.shared_momentum:
+                shared = self.shared.setdefault(name, torch.zeros_like(p))
+                shared.copy_(self.beta * shared + (1 - self.beta) * q)
+                ns_input = (1 - self.beta) * q + self.beta * shared if self.nesterov else shared.clone()
+            self.last_input[name] = ns_input
+            u = orthogonalize(ns_input, self.ns_steps, dtype=p.dtype)
             rows, cols = p.shape
             p.copy_((1 - self.lr * self.wd) * p - self.lr * update_scale(self.adjust, rows, cols) * u)

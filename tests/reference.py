@@ -48,7 +48,12 @@ class ReferenceMuonAdamW:
                 u = (1 - self.mu) * g + self.mu * m if self.nesterov else m
                 o = reference_ns(u, self.steps)
                 A, B = p.shape
-                ratio = 0.2 * math.sqrt(max(A, B)) if self.adjust == "match_rms_adamw" else math.sqrt(max(1, A / B))
+                if self.adjust == "match_rms_adamw":
+                    ratio = 0.2 * math.sqrt(max(A, B))
+                elif self.adjust == "spectral_unclamped":  # torchtitan 0.3.0 DistMuon: sqrt(fan_out / fan_in)
+                    ratio = math.sqrt(A / B)
+                else:
+                    ratio = math.sqrt(max(1, A / B))
                 p.mul_(1 - self.lr * self.wd).sub_(self.lr * ratio * o)
             else:
                 b1, b2 = self.betas

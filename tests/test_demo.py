@@ -268,12 +268,15 @@ class DemoPipeline:
     """What the integration will run, on one process: per replica a batched local_step_ over the
     matrices of one shape, then average_decoded over the replicas' payloads, Newton–Schulz, update."""
 
-    def __init__(self, params, replicas, lr, wd, beta, chunk, topk, alpha):
+    def __init__(self, params, replicas, lr, wd, beta, chunk, topk, alpha, shared_momentum=False, nesterov=False):
         self.replicas, self.lr, self.wd, self.beta, self.chunk, self.topk, self.alpha = replicas, lr, wd, beta, chunk, topk, alpha
+        self.shared_momentum, self.nesterov = shared_momentum, nesterov
         self.by_shape: dict[tuple, list[str]] = {}
         for n, p in params.items():
             self.by_shape.setdefault(tuple(p.shape), []).append(n)
-        self.momenta = [{s: torch.zeros(len(ns), *s, dtype=next(iter(params.values())).dtype) for s, ns in self.by_shape.items()} for _ in range(replicas)]
+        dtype = next(iter(params.values())).dtype
+        self.momenta = [{s: torch.zeros(len(ns), *s, dtype=dtype) for s, ns in self.by_shape.items()} for _ in range(replicas)]
+        self.shared = {s: torch.zeros(len(ns), *s, dtype=dtype) for s, ns in self.by_shape.items()}
         self.last_q = {}
 
     def step(self, params, grads):
@@ -283,7 +286,8 @@ class DemoPipeline:
                 for r in range(self.replicas)
             ]
             q = demo.average_decoded([p[0] for p in payloads], [p[1] for p in payloads], shape, self.chunk, self.topk)
-            u = orthogonalize(q, dtype=q.dtype)
+            ns_input = demo.shared_momentum_input_(self.shared[shape], q, self.beta, self.nesterov) if self.shared_momentum else q
+            u = orthogonalize(ns_input, dtype=q.dtype)
             for k, n in enumerate(names):
                 self.last_q[n] = q[k]
                 params[n].mul_(1 - self.lr * self.wd).sub_(self.lr * update_scale(None, *shape) * u[k])
@@ -293,7 +297,8 @@ SETTINGS = dict(lr=0.02, wd=0.01, beta=0.95, chunk=64, topk=8, alpha=0.2)
 PIPELINE_SHAPES = SHAPES + [(100, 70)]  # two 100×70 matrices: one batched local_step_
 
 
-def test_pipeline_follows_reference_trajectory_float64():
+@pytest.mark.parametrize("shared_momentum, nesterov, alpha", [(False, False, 0.2), (True, True, 1.0), (True, False, 0.2)])
+def test_pipeline_follows_reference_trajectory_float64(shared_momentum, nesterov, alpha):
     """Free-running, 4 steps, float64: the parameters of the pipeline and of the loop reference.
 
     Tolerance 1e-9 of the parameter change: the transforms differ by rounding, ≲ 1e-13 relative
@@ -304,14 +309,17 @@ def test_pipeline_follows_reference_trajectory_float64():
     free-running Newton–Schulz steps (differences in W feed the next gradients), which is why the
     rigorous elementwise bounds are checked per step, teacher-forced, in the two tests below.
     A defect (wrong chunk, k, α, replica or tie rule) changes the trajectory by percents.
+    With the shared momentum (issue 27) the same bound holds: S and the Nesterov input are two
+    more lerps per element (relative rounding ≲ 3·2^-53 each), far inside the 1e-9.
     """
     replicas, steps = 3, 4
     params, grads = _problem(PIPELINE_SHAPES, replicas, torch.float64)
     start = {n: p.clone() for n, p in params.items()}
     ref_params = {n: p.clone() for n, p in params.items()}
     s = SETTINGS
-    pipeline = DemoPipeline(params, replicas, s["lr"], s["wd"], s["beta"], s["chunk"], s["topk"], s["alpha"])
-    reference = ReferenceDeMoMuon(replicas, s["lr"], s["wd"], s["beta"], s["chunk"], s["topk"], s["alpha"])
+    pipeline = DemoPipeline(params, replicas, s["lr"], s["wd"], s["beta"], s["chunk"], s["topk"], alpha, shared_momentum, nesterov)
+    reference = ReferenceDeMoMuon(replicas, s["lr"], s["wd"], s["beta"], s["chunk"], s["topk"], alpha,
+                                  shared_momentum=shared_momentum, nesterov=nesterov)  # fmt: skip
     for _ in range(steps):
         pipeline.step(params, grads(params))
         reference.step(ref_params, grads(ref_params))

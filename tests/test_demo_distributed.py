@@ -20,12 +20,17 @@ from demo_reference import ReferenceDeMoMuon
 from distributed import run_distributed
 from test_demo import U32, _transform_bounds
 from titan_muon import Muon, demo
+from titan_muon.demo_step import SHARED_MOMENTUM_KEY
 from titan_muon.newton_schulz import orthogonalize
 from titan_muon.update import update_scale
 
 MUON = ("w1", "w2", "w3")
 ADAMW = ("bias", "head", "scale")
-SETTINGS = dict(lr=0.02, weight_decay=0.01, momentum=0.99, nesterov=False, ns_algorithm="standard", demo_chunk=64, demo_topk=8, demo_alpha=0.2)
+# The defaults' DeMo-Muon (issue 27): α = 1 and a shared Nesterov momentum over the average.
+SETTINGS = dict(lr=0.02, weight_decay=0.01, momentum=0.99, nesterov=True, ns_algorithm="standard", demo_chunk=64, demo_topk=8, demo_alpha=1.0,
+                demo_shared_momentum=True)  # fmt: skip
+# DeMo as published (before issue 27): no shared momentum, α 0.2, no Nesterov.
+PUBLISHED = {**SETTINGS, "nesterov": False, "demo_alpha": 0.2, "demo_shared_momentum": False}
 ADAMW_SETTINGS = dict(lr=0.01, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
 BATCH = 8  # per replica, split over its shards
 
@@ -67,40 +72,54 @@ def _full(t):
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
 
 
-def _owner_momenta(opt) -> dict[str, torch.Tensor]:
-    """The whole momenta this rank owns, by parameter name (no row blocks here: one unit each)."""
+def _owner_momenta(opt, key: str = "momentum_buffer") -> dict[str, torch.Tensor]:
+    """The whole momenta (`key`: the replica's own, or SHARED_MOMENTUM_KEY) this rank owns, by
+    parameter name (no row blocks here: one unit each)."""
     out = {}
     for (s, u), block in opt.owner_blocks.items():
         unit = opt.engines[s].units[u]
-        out[opt.muon_params[unit.param].name] = block["momentum_buffer"].clone()
+        out[opt.muon_params[unit.param].name] = block[key].clone()
     return out
 
 
-def _record_q(opt, steps: list[dict]) -> None:
-    """Keep every q the owners hand to Newton–Schulz (the average of the replicas' decoded
-    payloads) in ``steps[-1]``, by parameter name: a wrapper around Replicas.round_inputs."""
-    original = opt.replicas.round_inputs
+def _record_q(opt, steps: list[dict], inputs: list[dict]) -> None:
+    """Keep every q (the average of the replicas' decoded payloads) in ``steps[-1]`` and what the
+    owners hand to Newton–Schulz (the shared momentum's Nesterov input) in ``inputs[-1]``, by
+    parameter name: wrappers around Replicas.round_inputs and its shared-momentum step."""
+    original, shared = opt.replicas.round_inputs, opt.replicas._shared_momentum_input
+
+    def name(engine, u):
+        return opt.muon_params[engine.units[u].param].name
 
     def recording(s, r, engine, batches, *args):
         out = original(s, r, engine, batches, *args)
-        for batch, q in zip(batches, out):
-            for u, matrix in zip(batch.units, q):
-                steps[-1][opt.muon_params[engine.units[u].param].name] = matrix.clone()
+        for batch, ns_input in zip(batches, out):
+            for u, matrix in zip(batch.units, ns_input):
+                inputs[-1][name(engine, u)] = matrix.clone()
+                if not opt.demo.shared_momentum:  # Newton–Schulz gets q itself
+                    steps[-1][name(engine, u)] = matrix.clone()
         return out
 
+    def recording_shared(s, engine, batch, average, *args):
+        for u, matrix in zip(batch.units, average):
+            steps[-1][name(engine, u)] = matrix.clone()
+        return shared(s, engine, batch, average, *args)
+
     opt.replicas.round_inputs = recording
+    opt.replicas._shared_momentum_input = recording_shared
 
 
-def _demo_run(rank, world, replicas, shards, steps, fed_grads=None):
+def _demo_run(rank, world, replicas, shards, steps, fed_grads=None, settings=SETTINGS):
     """`fed_grads[step][replica]`: whole gradients to use instead of this run's own (after
     checking they are close): another layout's gradients, so that only the layout differs."""
     mesh = init_device_mesh("cpu", (replicas, shards), mesh_dim_names=("dp_replicate", "dp_shard"))
     replica, shard = mesh.get_coordinate()
     model = Net()
     fully_shard(model, mesh=mesh["dp_shard"])
-    opt = Muon(_groups(model), **SETTINGS, demo=True, replicate_group=mesh.get_group("dp_replicate"))
-    record = {"initial": {n: _full(p) for n, p in model.named_parameters()}, "grads": [], "params": [], "momenta": [], "q": [], "metrics": []}
-    _record_q(opt, record["q"])
+    opt = Muon(_groups(model), **settings, demo=True, replicate_group=mesh.get_group("dp_replicate"))
+    record = {"initial": {n: _full(p) for n, p in model.named_parameters()}, "grads": [], "params": [], "momenta": [], "q": [], "metrics": [],
+              "shared": [], "input": []}  # fmt: skip
+    _record_q(opt, record["q"], record["input"])
     for step in range(steps):
         x, y = _batch(step, replica)
         loss = ((model(x.chunk(shards)[shard]) - y.chunk(shards)[shard]) ** 2).mean()
@@ -113,10 +132,12 @@ def _demo_run(rank, world, replicas, shards, steps, fed_grads=None):
                 p.grad.to_local().copy_(distribute_tensor(given, p.grad.device_mesh, p.grad.placements, src_data_rank=None).to_local())
         record["grads"].append({n: _full(p.grad) for n, p in params.items()})
         record["q"].append({})
+        record["input"].append({})
         opt.step()
         opt.zero_grad()
         record["params"].append({n: _full(p) for n, p in model.named_parameters()})
         record["momenta"].append(_owner_momenta(opt))
+        record["shared"].append(_owner_momenta(opt, SHARED_MOMENTUM_KEY) if settings["demo_shared_momentum"] else {})
         record["metrics"].append(dict(opt.last_step_metrics))
     engines = opt.engines
     record["owned"] = [opt.muon_params[engines[s].units[u].param].name for s, u in opt.owner_blocks]
@@ -132,7 +153,7 @@ def _by_replica(results, replicas):
     for r in range(replicas):
         ranks = [x for x in results if x["replica"] == r]
         first = next(x for x in ranks if x["shard"] == 0)
-        merged = {key: [{n: m for x in ranks for n, m in x[key][s].items()} for s in range(len(first[key]))] for key in ("momenta", "q")}
+        merged = {key: [{n: m for x in ranks for n, m in x[key][s].items()} for s in range(len(first[key]))] for key in ("momenta", "q", "shared", "input")}
         out.append({**first, **merged})
     return out
 
@@ -148,15 +169,16 @@ NS_GAIN = 2 * 4**5
 U = U32
 
 
-def _check_against_reference(rep, replicas, steps, what):
+def _check_against_reference(rep, replicas, steps, what, settings=SETTINGS):
     """Every step, ReferenceDeMoMuon takes one step from the titan run's own state before it
     (parameters, every replica's momenta) with the gradients the run used, and the run's result
     must match it. Teacher-forced like test_demo's per-step test, so each bound covers one step's
     rounding and nothing accumulates:
 
     * momenta and q, elementwise: test_demo's rigorous fp32 bounds (both sides' errors from the
-      exact values of one step: transforms, α·decode, the replicas' average);
-    * parameters, Frobenius norm, first order in q's measured difference Δq:
+      exact values of one step: transforms, α·decode, the replicas' average); the shared momentum
+      and the Nesterov input from q's bound and their own roundings (derived where checked);
+    * parameters, Frobenius norm, first order in the NS input's measured difference Δq:
       |ΔW| <= lr·scale·(NS_GAIN·|Δq|/|q|·|U| + 4·e_NS) + 2u·|(|W| + lr·scale·|U|)|, e_NS = the
       reference's own NS rounding (its fp32 U against float64 NS of the same q); the titan side
       runs the same kernels on the same shape in another batch, so its rounding is taken as at
@@ -165,14 +187,17 @@ def _check_against_reference(rep, replicas, steps, what):
       elementwise on the same inputs: at most the last bit of p after each of its two roundings.
 
     Returns per step the largest fraction of an allowance used (momenta/q, parameters)."""
-    s, beta, chunk, topk, alpha = SETTINGS, SETTINGS["momentum"], SETTINGS["demo_chunk"], SETTINGS["demo_topk"], SETTINGS["demo_alpha"]
+    s, beta, chunk, topk, alpha = settings, settings["momentum"], settings["demo_chunk"], settings["demo_topk"], settings["demo_alpha"]
+    shared = settings["demo_shared_momentum"]
     used = []
     for step in range(steps):
         before = rep[0]["initial"] if step == 0 else rep[0]["params"][step - 1]
         grads = [rep[r]["grads"][step] for r in range(replicas)]
-        muon = ReferenceDeMoMuon(replicas, s["lr"], s["weight_decay"], beta, chunk, topk, alpha)
+        muon = ReferenceDeMoMuon(replicas, s["lr"], s["weight_decay"], beta, chunk, topk, alpha, shared_momentum=shared, nesterov=s["nesterov"])
         if step > 0:
             muon.momenta = [{n: rep[r]["momenta"][step - 1][n].clone() for n in MUON} for r in range(replicas)]
+            muon.shared = {n: rep[0]["shared"][step - 1][n].clone() for n in MUON} if shared else {}
+        shared_before = {n: muon.shared.get(n, torch.zeros_like(before[n])).double().abs() for n in MUON}
         old = [{n: muon.momenta[r].get(n, torch.zeros_like(before[n])).clone() for n in MUON} for r in range(replicas)]
         accumulated = [{n: old[r][n] * beta + grads[r][n] for n in MUON} for r in range(replicas)]  # as both round it
         params = {n: before[n].clone() for n in MUON}
@@ -192,10 +217,31 @@ def _check_against_reference(rep, replicas, steps, what):
             diff = (q.double() - q_ref.double()).abs()
             assert (diff <= q_bound).all(), f"{what} step {step} q of {n}: {(diff / q_bound).max():.3g} of the bound"
             worst[0] = max(worst[0], (diff / q_bound).max().item())
-            u32, u64 = orthogonalize(q_ref, 5), orthogonalize(q_ref.double(), 5, dtype=torch.float64)
+            # Shared momentum S' = βS + (1 − β)q from the same S (teacher-forced) and q within q_bound:
+            # (1 − β)·q_bound, plus each side's own roundings of S' (titan: S + w(q − S), lerp; the
+            # reference: βS + (1 − β)q), ≤ 4 roundings of magnitudes ≤ |S| + |q| each, w and β
+            # rounded to fp32 included: 8u(|S| + |q|) for both. The Nesterov input (1 − β)q + βS'
+            # likewise: (1 − β)·q_bound + β·S_bound + 8u(|S'| + |q|).
+            in_bound = q_bound
+            if shared:
+                q_abs = q_ref.double().abs() + q_bound
+                s_bound = (1 - beta) * q_bound + 8 * U * (shared_before[n] + q_abs)
+                s_ref = muon.shared[n].double()
+                for r in range(replicas):
+                    diff = (rep[r]["shared"][step][n].double() - s_ref).abs()
+                    assert (diff <= s_bound).all(), f"{what} step {step} shared momentum of {n} in replica {r}: {(diff / s_bound).max():.3g} of the bound"
+                worst[0] = max(worst[0], (diff / s_bound).max().item())
+                in_bound = (1 - beta) * q_bound + beta * s_bound + 8 * U * (s_ref.abs() + s_bound + q_abs) if s["nesterov"] else s_bound
+            ns_in, ns_in_ref = rep[0]["input"][step][n], muon.last_input[n]
+            assert torch.equal(ns_in, rep[1]["input"][step][n]), f"{what} step {step}: the NS input of {n} differs between replicas"
+            diff = (ns_in.double() - ns_in_ref.double()).abs()
+            assert (diff <= in_bound).all(), f"{what} step {step} NS input of {n}: {(diff / in_bound).max():.3g} of the bound"
+            worst[0] = max(worst[0], (diff / in_bound).max().item())
+            u32, u64 = orthogonalize(ns_in_ref, 5), orthogonalize(ns_in_ref.double(), 5, dtype=torch.float64)
             lr_scale = s["lr"] * update_scale(None, *q.shape)
             rounding = 2 * U * (before[n].double().abs() + lr_scale * u32.double().abs()).norm().item()
-            allowed = lr_scale * (NS_GAIN * (q - q_ref).norm().item() / q_ref.norm().item() * u32.norm().item() + 4 * (u32.double() - u64).norm().item()) + rounding
+            allowed = lr_scale * (NS_GAIN * (ns_in - ns_in_ref).norm().item() / ns_in_ref.norm().item() * u32.norm().item()
+                                  + 4 * (u32.double() - u64).norm().item()) + rounding  # fmt: skip
             diff = (rep[0]["params"][step][n] - params[n]).norm().item()
             assert diff <= allowed, f"{what} step {step} {n}: {diff:.3g} > {allowed:.3g}"
             worst[1] = max(worst[1], diff / allowed)
@@ -232,6 +278,7 @@ def test_replicas_stay_bit_identical_and_follow_the_reference(two_by_two):
             assert torch.equal(rep[0]["params"][step][n], rep[1]["params"][step][n]), (step, n)
         for n in MUON:
             assert not torch.equal(rep[0]["momenta"][step][n], rep[1]["momenta"][step][n])
+            assert torch.equal(rep[0]["shared"][step][n], rep[1]["shared"][step][n])  # the same in every replica
     _check_against_reference(rep, 2, 4, "R=2 S=2")
 
 
@@ -250,11 +297,22 @@ def test_layout_independence_one_vs_two_shards(two_by_two):
     for step in range(4):
         for n in MUON:
             assert torch.equal(rep1[0]["q"][step][n], rep2[0]["q"][step][n]), (step, n)
+            assert torch.equal(rep1[0]["input"][step][n], rep2[0]["input"][step][n]), (step, n)
+            assert torch.equal(rep1[0]["shared"][step][n], rep2[0]["shared"][step][n]), (step, n)
             for r in range(2):
                 assert torch.equal(rep1[r]["momenta"][step][n], rep2[r]["momenta"][step][n]), (step, n, r)
         for n, p in rep2[0]["params"][step].items():
             bound = (step + 1) * 2 * FP32_ULP * p.abs().max().item()
             assert (rep1[0]["params"][step][n] - p).abs().max().item() <= bound, (step, n)
+
+
+def test_published_demo_follows_the_reference():
+    """DeMo as published (demo_shared_momentum=False, α 0.2, no Nesterov) on R = 2 × S = 1: Newton–
+    Schulz gets the replicas' average itself, and every step matches ReferenceDeMoMuon without
+    the shared momentum within the same bounds; no shared momentum state exists."""
+    rep = _by_replica(run_distributed(_demo_run, 2, 2, 1, 3, None, PUBLISHED), 2)
+    _check_against_reference(rep, 2, 3, "published R=2 S=1", PUBLISHED)
+    assert all(not shared for r in rep for shared in r["shared"])
 
 
 def test_bytes_metrics(two_by_two):
@@ -310,7 +368,8 @@ def _option_errors(rank, world):
     group = mesh.get_group("dp_replicate")
     errors = {}
     for label, kwargs in {
-        "nesterov": dict(nesterov=True),
+        "nesterov": dict(nesterov=True, demo_shared_momentum=False),
+        "demo_shared_momentum": dict(demo_shared_momentum="yes"),
         "momentum_dtype": dict(nesterov=False, momentum_dtype="bf16"),
         "overlap": dict(nesterov=False, overlap=True),
     }.items():
@@ -328,7 +387,8 @@ def _option_errors(rank, world):
 
 def test_options_that_need_replicas_are_checked():
     for errors in run_distributed(_option_errors, 2, timeout=120):
-        assert "nesterov=True is not part of DeMo" in errors["nesterov"]
+        assert "nesterov=True with demo=True needs demo_shared_momentum=True" in errors["nesterov"]
+        assert "demo_shared_momentum must be True or False" in errors["demo_shared_momentum"]
         assert "momentum_dtype='fp32'" in errors["momentum_dtype"]
         assert "overlap" in errors["overlap"]
         assert "bit-identical in every replica" in errors["identical"]
@@ -350,6 +410,7 @@ def _failing_run(rank, world, failure):
     ((model(x.chunk(2)[shard]) - y.chunk(2)[shard]) ** 2).mean().backward()
     before = {n: _full(p) for n, p in model.named_parameters()}
     momenta = _owner_momenta(opt)
+    shared = _owner_momenta(opt, SHARED_MOMENTUM_KEY)
     if replica == 1 and failure == "nonfinite":
         model.w2.grad.to_local()[0, 0] = float("nan")
     if replica == 1 and shard == 1 and failure == "owner":
@@ -370,6 +431,7 @@ def _failing_run(rank, world, failure):
         outcome = f"raised: {error}"
     unchanged = all(torch.equal(before[n], _full(p)) for n, p in model.named_parameters())
     unchanged = unchanged and all(torch.equal(m, _owner_momenta(opt)[n]) for n, m in momenta.items())
+    unchanged = unchanged and all(torch.equal(m, _owner_momenta(opt, SHARED_MOMENTUM_KEY)[n]) for n, m in shared.items())
     return outcome, unchanged
 
 
@@ -424,7 +486,7 @@ def _checkpoint_run(rank, world, replicas, shards, path, save, fed=None):
             set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
         except BaseException as error:  # DCP's CheckpointException is a BaseException; returned to the test
             return {"error": f"{type(error).__name__}: {error}"}
-    momenta = _owner_momenta(opt)
+    momenta, shared = _owner_momenta(opt), _owner_momenta(opt, SHARED_MOMENTUM_KEY)
     backward(3)
     params = dict(model.named_parameters())
     if fed is not None:
@@ -432,7 +494,7 @@ def _checkpoint_run(rank, world, replicas, shards, path, save, fed=None):
             p.grad.to_local().copy_(distribute_tensor(fed[replica][n], p.grad.device_mesh, p.grad.placements, src_data_rank=None).to_local())
     grads = {n: _full(p.grad) for n, p in params.items()}
     opt.step()
-    return {"replica": replica, "shard": shard, "momenta": momenta, "grads": grads, "params": {n: _full(p) for n, p in model.named_parameters()}}
+    return {"replica": replica, "shard": shard, "momenta": momenta, "shared": shared, "grads": grads, "params": {n: _full(p) for n, p in model.named_parameters()}}
 
 
 def test_checkpoint_keeps_every_replicas_momentum(tmp_path):
@@ -453,6 +515,10 @@ def test_checkpoint_keeps_every_replicas_momentum(tmp_path):
             assert sorted(after) == sorted(before) == sorted(MUON)
             for n in MUON:
                 assert torch.equal(after[n], before[n]), (world, k, n)
+            shared_before = {n: m for r in straight if r["replica"] == k for n, m in r["shared"].items()}
+            shared_after = {n: m for r in loaded if r["replica"] == k for n, m in r["shared"].items()}
+            for n in MUON:  # saved once (the same in every replica), resharded like the weights
+                assert shared_before[n].abs().sum() > 0 and torch.equal(shared_after[n], shared_before[n]), (world, k, n)
         expected = straight[0]["params"]
         for n, p in loaded[0]["params"].items():
             if shards == 2:

@@ -12,8 +12,8 @@ from torch import nn
 from torchtitan_layouts import V022Attention, V030Attention
 
 from titan_muon import Muon
-from titan_muon.attention_logits import query_projection
-from titan_muon.clip import QKClip, apply_qk_clip, find_attention_layers
+from titan_muon.attention_layers import find_attention_layers, query_projection
+from titan_muon.clip import QKClip, apply_qk_clip
 from titan_muon.fused_qkv import FusedQKVLayout
 from titan_muon.split import attention_row_blocks
 
@@ -129,7 +129,7 @@ def test_fused_layout_is_checked_and_query_projection_says_why_it_has_none():
     with pytest.raises(ValueError, match="query rows are interleaved"):
         query_projection(fused)
     fused.qkv_linear.wqkv = nn.Linear(DIM, 7 * HEAD_DIM)  # a wrong layout
-    with pytest.raises(ValueError, match="has 28 projection rows, expected 40"):
+    with pytest.raises(ValueError, match="qkv_linear.wqkv has 28 rows, expected 40"):
         find_attention_layers(fused)
 
 

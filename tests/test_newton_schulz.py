@@ -1,3 +1,4 @@
+import functools
 import math
 
 import pytest
@@ -7,17 +8,25 @@ from torch.utils.flop_counter import FlopCounterMode
 from reference import reference_ns
 from titan_muon import newton_schulz
 from titan_muon.newton_schulz import (
+    FP16_PEAK_LIMIT,
     GRAM_MAX_RUN,
     GRAM_MIN_ASPECT,
     GRAM_MIN_SIDE,
     NS_ALGORITHMS,
+    SYMMETRIC_KERNEL_MIN,
+    NSPrecision,
     coefficient_schedule,
     gram_iterations,
     gram_segments,
+    half_precision_peak,
     newton_schulz_flops,
     orthogonalize,
     resolve_algorithm,
 )
+from titan_muon.orthogonalizer import NS_WORKSPACE, Orthogonalizer
+from titan_muon.settings import auto_comm_dtype, resolve_ns_precision
+
+HALF = torch.float16
 
 
 @pytest.mark.parametrize("shape", [(32, 96), (96, 32), (64, 64), (3, 256)])
@@ -148,7 +157,7 @@ ACCURACY_CASES = [(s, "gaussian") for s in [(64, 128), (64, 256), (64, 224), (22
 ACCURACY_CASES += [(s, "low_rank") for s in [(96, 96), (64, 256), (64, 224), (224, 64)]]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("method", ["keller", "polar_express"])
 def test_gram_is_as_accurate_as_standard(dtype, method, symmetric_products):
     """Rounding error (distance to U f(S) Vᵀ, the float64 SVD with the same polynomial) like
@@ -175,13 +184,15 @@ def test_square_gaussian_is_the_documented_exception(dtype):
     assert resolve_algorithm(96, 96, dtype, "cpu") == resolve_algorithm(4096, 4096, dtype, "cuda") == "standard"
 
 
-def test_the_bound_catches_gram_without_restarts():
-    """One 5-step run (no restart) lets bf16 rounding in the Gram matrix's small eigenvalues grow by
-    a² per step; the bound above must reject it, or it proves nothing."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_the_bound_catches_gram_without_restarts(dtype):
+    """One 5-step run (no restart) lets rounding in the Gram matrix's small eigenvalues grow by a²
+    per step, in fp16 as in bf16 (measured: 30-40x standard's error); the bound above must reject
+    it, or it proves nothing."""
     g = low_rank(64, 224, 0)
     _, target = exact_targets(g, "keller")
-    unrestarted = gram_iterations((g / g.norm()).bfloat16(), coefficient_schedule("keller", 5), (5,))
-    assert not rounds_like_standard(unrestarted, orthogonalize(g, 5, "keller", torch.bfloat16), target, torch.bfloat16)
+    unrestarted = gram_iterations((g / g.norm()).to(dtype), coefficient_schedule("keller", 5), (5,))
+    assert not rounds_like_standard(unrestarted, orthogonalize(g, 5, "keller", dtype), target, dtype)
 
 
 @pytest.mark.parametrize("shape", [(48, 160), (160, 48), (3, 40, 140), (2, 140, 40)])
@@ -202,7 +213,7 @@ def test_gram_rounds_like_standard_on_batches_and_any_coefficients(shape, method
 @pytest.mark.parametrize("shape", [(3, 64, 256), (3, 256, 64), (64, 256), (256, 64)])
 def test_every_algorithm_runs_on_meta(algorithm, shape):
     """Shapes only: no host reads, no data-dependent branches (meta tensors have no values)."""
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
         out = orthogonalize(torch.empty(*shape, device="meta"), algorithm=algorithm, dtype=dtype)
         assert out.shape == shape and out.device.type == "meta" and out.dtype == dtype
 
@@ -212,11 +223,11 @@ def test_every_algorithm_runs_on_meta(algorithm, shape):
 def test_flops_match_counted_matmuls(shape, steps):
     """newton_schulz_flops equals what torch's FlopCounterMode counts in the actual run (on meta:
     no values), with and without the symmetric block split (odd sides included)."""
-    for algorithm in ("standard", "gram"):
+    for algorithm, dtype in [("standard", torch.float32), ("gram", torch.float32), ("gram", HALF)]:
         with FlopCounterMode(display=False) as counter:
-            orthogonalize(torch.empty(*shape, device="meta"), steps, algorithm=algorithm)
+            orthogonalize(torch.empty(*shape, device="meta"), steps, algorithm=algorithm, dtype=dtype)
         batch = shape[0] if len(shape) == 3 else 1
-        assert counter.get_total_flops() == batch * newton_schulz_flops(*shape[-2:], steps, algorithm), algorithm
+        assert counter.get_total_flops() == batch * newton_schulz_flops(*shape[-2:], steps, algorithm, dtype), algorithm
 
 
 def test_gram_flop_ratios():
@@ -234,7 +245,12 @@ def test_gram_segments():
         runs = gram_segments(steps)
         assert sum(runs) == steps and all(1 <= r <= GRAM_MAX_RUN for r in runs) and list(runs) == sorted(runs)
         assert len(runs) == math.ceil(steps / GRAM_MAX_RUN)
-    assert gram_segments(5) == (2, 3)
+    assert gram_segments(5) == gram_segments(5, torch.bfloat16) == (2, 3)
+    for steps in range(12):  # fp16: runs of at most 2, longest first (the last run short)
+        runs = gram_segments(steps, HALF)
+        assert sum(runs) == steps and all(1 <= r <= 2 for r in runs) and list(runs) == sorted(runs, reverse=True)
+        assert len(runs) == math.ceil(steps / 2)
+    assert gram_segments(5, HALF) == (2, 2, 1)
 
 
 def test_resolve_algorithm():
@@ -242,9 +258,12 @@ def test_resolve_algorithm():
     assert resolve_algorithm(*mlp, torch.float32, "cpu") == resolve_algorithm(*mlp[::-1], torch.float32, "cpu") == "gram"
     assert resolve_algorithm(*attention, torch.float32, "cpu") == resolve_algorithm(*attention, torch.bfloat16, "cuda") == "standard"
     assert resolve_algorithm(*mlp, torch.float32, "meta") == "gram"
-    # never Gram in bf16, whatever the shape (its error grows with the short side: resolve_algorithm)
+    # never Gram in bf16, whatever the shape (its error grows with the short side: resolve_algorithm);
+    # in fp16 the fp32 shape rule
     for shape in (mlp, (4096, 14336), (7168, 2048)):
         assert resolve_algorithm(*shape, torch.bfloat16, "cuda") == resolve_algorithm(*shape, torch.bfloat16, "cpu") == "standard"
+        assert resolve_algorithm(*shape, HALF, "cuda") == resolve_algorithm(*shape, torch.float32, "cpu") == "gram"
+    assert resolve_algorithm(4096, 4096, HALF, "cuda") == "standard"
     assert resolve_algorithm(GRAM_MIN_SIDE - 1, 8 * GRAM_MIN_SIDE, torch.float32, "cpu") == "standard"
     side = 256
     assert resolve_algorithm(side, math.ceil(GRAM_MIN_ASPECT * side), torch.float32, "cpu") == "gram"
@@ -262,3 +281,253 @@ def test_auto_runs_the_resolved_algorithm():
 
 def test_gram_zero_matrix_stays_zero():
     assert orthogonalize(torch.zeros(2, 8, 32), algorithm="gram").abs().max() == 0
+
+
+# ---- Gram Newton–Schulz in fp16 ------------------------------------------------------------
+
+
+HALF_CASES = [c for c in ACCURACY_CASES if c[0] != (96, 96)]  # where "auto" can pick gram
+
+
+@pytest.mark.parametrize("method", ["keller", "polar_express"])
+def test_fp16_gram_equals_fp32_gram_within_fp16_rounding(method):
+    """fp16 and bf16 runs do the same operations with the same error gains, and in both the GEMMs
+    accumulate in fp32 (CPU and tensor cores) and round only what they store. To first order the
+    rounding error is therefore proportional to the unit roundoff: fp16's 2^-11 against bf16's
+    2^-8, 1/8 (fp32's 2^-24 adds nothing visible). Allowed: 2/8 of bf16 Gram's distance from fp32
+    Gram, the 2 for two independent realizations of random rounding. Measured: 0.09-0.14."""
+    for i, (shape, kind) in enumerate(HALF_CASES):
+        g = sample_matrix(shape, kind, 10 + i)
+        fp32, bf16, fp16 = (orthogonalize(g, 5, method, d, algorithm="gram").double() for d in (torch.float32, torch.bfloat16, HALF))
+        assert (fp16 - fp32).norm() <= 2 / 8 * (bf16 - fp32).norm(), (shape, kind)
+
+
+@pytest.mark.parametrize("method", ["keller", "polar_express"])
+def test_fp16_gram_is_more_accurate_than_standard_bf16(method):
+    """The criterion for letting "auto" use it: fp16 Gram NS's rounding error (distance to
+    U f(S) Vᵀ) is at most standard bf16 NS's. Expected ≤ 2/8 of it: ≤ 2x standard's in the same
+    dtype (rounds_like_standard) times the unit-roundoff ratio 1/8. Measured: 0.10-0.22."""
+    for i, (shape, kind) in enumerate(HALF_CASES):
+        g = sample_matrix(shape, kind, 10 + i)
+        _, target = exact_targets(g, method)
+        gram16 = orthogonalize(g, 5, method, HALF, algorithm="gram").double()
+        standard_bf16 = orthogonalize(g, 5, method, torch.bfloat16, algorithm="standard").double()
+        assert (gram16 - target).norm() <= 2 / 8 * (standard_bf16 - target).norm(), (shape, kind)
+
+
+def test_fp16_scales_in_fp32_before_rounding():
+    """A momentum of 1e-9 underflows fp16 (smallest subnormal 6e-8) and a sum of squares of 1e4
+    entries overflows it: both must orthogonalize as in fp32."""
+    g = torch.randn(64, 256, generator=torch.Generator().manual_seed(7))
+    reference = orthogonalize(g, algorithm="gram")
+    for scale in (1e-9, 1e4):
+        out = orthogonalize(g * scale, dtype=HALF, algorithm="gram")
+        assert out.dtype == HALF and torch.isfinite(out).all()
+        # fp16 rounding as in the test above: well under bf16's ~0.1 Frobenius error here
+        assert (out.double() - reference.double()).norm() < 0.05
+
+
+@pytest.mark.parametrize("steps", [1, 2, 3, 5, 7, 10])
+def test_fp16_intermediates_stay_in_range(steps, monkeypatch):
+    """half_precision_peak bounds every stored intermediate: checked against the largest entry each
+    product really stores (fp32, so nothing saturates), on inputs that reach the peaks: low-rank
+    (many σ near 0, where Q peaks), Gaussian, and column scales spanning 1e6. Keller and Polar
+    Express stay far below FP16_PEAK_LIMIT."""
+    largest = [0.0]
+
+    def recording(fn):
+        def wrapped(*args, **kwargs):
+            out = fn(*args, **kwargs)
+            largest[0] = max(largest[0], out.abs().max().item())
+            return out
+        return wrapped
+
+    monkeypatch.setattr(newton_schulz, "_addmm", recording(newton_schulz._addmm))
+    monkeypatch.setattr(newton_schulz, "_symmetric_addmm", recording(newton_schulz._symmetric_addmm))
+    fp16_runs = functools.partial(gram_segments, dtype=HALF)  # fp16's restarts, in fp32 arithmetic
+    monkeypatch.setattr(newton_schulz, "gram_segments", lambda steps, dtype=None: fp16_runs(steps))
+    inputs = [low_rank(64, 224, 1), sample_matrix((64, 224), "gaussian", 2), torch.randn(64, 224) * torch.logspace(0, -6, 224)]
+    for method in ("keller", "polar_express"):
+        for algorithm in ("standard", "gram"):
+            largest[0] = 0.0
+            for g in inputs:
+                orthogonalize(g, steps, method, algorithm=algorithm)
+            peak = half_precision_peak(method, steps, algorithm)
+            # the grid of 4097 σ misses a peak by at most its slope times half a grid step: < 1 %
+            assert largest[0] <= 1.01 * peak <= FP16_PEAK_LIMIT, (method, algorithm, largest[0], peak)
+
+
+def test_fp16_refuses_coefficients_that_could_overflow():
+    wild = (400.0, -900.0, 500.0)  # Q's eigenvalues near σ = 0 reach 400³ in a 3-step run
+    assert half_precision_peak(wild, 5, "gram") > FP16_PEAK_LIMIT
+    with pytest.raises(ValueError, match="fp16"):
+        orthogonalize(torch.randn(8, 32), 5, wild, HALF, algorithm="gram")
+
+
+# The device type is a string in the rule, so the CUDA branch runs here: an Orthogonalizer built
+# for torch.device("cuda") never touches the device until it is given tensors.
+MLP, SQUARE, SMALL = (1024, 3584), (1024, 1024), (64, 256)
+
+
+def _group(**overrides):
+    return dict(dict(ns_algorithm="auto", ns_steps=5, ns_coefficients="keller", ns_eps=1e-7, adjust_lr_fn=None, lr=0.1), **overrides)
+
+
+def test_auto_precision_per_device_and_shape():
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    auto_cuda = resolve_ns_precision("auto", cuda)
+    assert auto_cuda == NSPrecision(torch.bfloat16, HALF) and resolve_ns_precision("auto", cpu) == NSPrecision(torch.float32, torch.float32)
+    plan = lambda setting, device, shape, **g: Orthogonalizer(lambda: [], resolve_ns_precision(setting, device), device).plan(_group(**g), *shape)
+    # auto on CUDA: fp16 Gram where the shape rule picks Gram, standard bf16 elsewhere
+    assert plan("auto", cuda, MLP) == plan("auto", cuda, MLP[::-1]) == ("gram", HALF)
+    assert plan("auto", cuda, SQUARE) == plan("auto", cuda, SMALL) == ("standard", torch.bfloat16)
+    assert plan("auto", cuda, SQUARE, ns_algorithm="gram") == ("gram", HALF)  # forced Gram: fp16, never bf16
+    assert plan("auto", cuda, MLP, ns_algorithm="standard") == ("standard", torch.bfloat16)
+    # CPU keeps fp32 and today's rule
+    assert plan("auto", cpu, MLP) == ("gram", torch.float32) and plan("auto", cpu, SQUARE) == ("standard", torch.float32)
+    # explicit dtypes: bf16 as before (never Gram under auto), fp16 everywhere
+    assert plan("bf16", cuda, MLP) == ("standard", torch.bfloat16) and plan("bf16", cuda, MLP, ns_algorithm="gram") == ("gram", torch.bfloat16)
+    assert plan("fp16", cuda, MLP) == ("gram", HALF) and plan("fp16", cuda, SQUARE) == ("standard", HALF)
+    # a schedule that could overflow fp16 runs in bf16 (same width, fp32's range)
+    assert plan("auto", cuda, MLP, ns_coefficients=(400.0, -900.0, 500.0)) == ("gram", torch.bfloat16)
+    # the wire: fp32 with fp32 NS, bf16 otherwise (unscaled matrices need bf16's range)
+    assert [auto_comm_dtype(resolve_ns_precision(s, cuda)) for s in ("auto", "fp32", "bf16", "fp16")] == [
+        torch.bfloat16, torch.float32, torch.bfloat16, torch.bfloat16]
+    with pytest.raises(ValueError, match="ns_dtype='fp8'"):
+        resolve_ns_precision("fp8", cpu)
+
+
+class _Work:
+    ns_flops, update_numel = 0, 0
+
+    def __init__(self):
+        self.update_sq = []
+
+
+@pytest.mark.parametrize("shape", [MLP, SQUARE, (3, 256, 896)])
+def test_flops_match_what_the_orthogonalizer_runs_for_cuda(shape):
+    """The plan balances owners on Orthogonalizer.flops and muon/ns_flops adds what each call ran:
+    both must equal the FLOPs of the algorithm and dtype the CUDA rule picks, counted on meta."""
+    from titan_muon.timing import StepTimer
+
+    rows, cols = shape[-2:]
+    batch = torch.empty(*((1,) + shape if len(shape) == 2 else shape), device="meta")
+    ns = Orthogonalizer(lambda: [_group()], resolve_ns_precision("auto", torch.device("cuda")), torch.device("cuda"))
+    work = _Work()
+    with FlopCounterMode(display=False) as counter:
+        out = ns(((rows, cols), 0), batch, StepTimer(torch.device("meta")), work)
+    assert out.shape == batch.shape and out.device.type == "meta"
+    counted = counter.get_total_flops()  # matmuls only: norms and scaling are not counted
+    assert counted == work.ns_flops == batch.size(0) * ns.flops(_group(), rows, cols)
+    assert ns.workspace_bytes(((rows, cols), 0), batch) == int(NS_WORKSPACE[ns.plan(_group(), rows, cols)[1]] * batch.numel() * 4)
+
+
+def test_fp16_workspace():
+    """NS_WORKSPACE[fp16] bounds the bytes alive while the Orthogonalizer works (its fp32 scaled
+    copy is freed before the NS products exist), on the shapes where bf16 peaks."""
+    from live_bytes import LiveBytes
+
+    orthogonalize(torch.randn(8, 8), dtype=HALF, algorithm="gram")  # first calls allocate caches
+    for shape in [(64, 64), (300, 640), (2, 600, 700), (512, 128)]:
+        for algorithm in ("standard", "gram"):
+            m = torch.randn(*shape)
+            with LiveBytes() as live:
+                orthogonalize(m, 5, "keller", HALF, algorithm=algorithm).float().mul_(1.0)
+            assert live.peak <= NS_WORKSPACE[HALF] * m.numel() * 4, (shape, algorithm, live.peak / (m.numel() * 4))
+
+
+# ---- optional symmetric GEMM kernels ------------------------------------------------------
+
+
+def test_symmetric_kernel_detection(monkeypatch):
+    """Detected once per device: only on CUDA devices of compute capability 9.x / 10.x and only
+    when the package imports; the CPU path never looks."""
+    stand_in = object()
+    detect = newton_schulz.symmetric_gemm_kernel
+    monkeypatch.setattr(newton_schulz, "_import_symmetric_gemm", lambda: stand_in)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for capability, expected in [((9, 0), stand_in), ((10, 0), stand_in), ((8, 0), None), ((12, 0), None)]:
+        detect.cache_clear()
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None, c=capability: c)
+        assert detect("cuda", 0) is expected and detect("cpu", None) is None
+    detect.cache_clear()
+    monkeypatch.setattr(newton_schulz, "_import_symmetric_gemm", lambda: None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
+    assert detect("cuda", 0) is None  # package missing
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: pytest.fail("detected twice"))
+    assert detect("cuda", 0) is None  # cached
+    detect.cache_clear()
+
+
+def test_symmetric_kernel_import_is_guarded(monkeypatch):
+    """The import path: None without the package (this machine), the kernel with it."""
+    import sys
+    import types
+
+    monkeypatch.setitem(sys.modules, "gram_newton_schulz", None)  # as if not installed
+    assert newton_schulz._import_symmetric_gemm() is None
+    kernel = lambda *args, **kwargs: None
+    interface = types.ModuleType("quack.gemm_interface")
+    interface.gemm_symmetric = kernel
+    monkeypatch.setitem(sys.modules, "gram_newton_schulz", types.ModuleType("gram_newton_schulz"))
+    monkeypatch.setitem(sys.modules, "quack", types.ModuleType("quack"))
+    monkeypatch.setitem(sys.modules, "quack.gemm_interface", interface)
+    assert newton_schulz._import_symmetric_gemm() is kernel
+
+
+def test_symmetric_kernel_dispatch_with_a_stand_in(monkeypatch):
+    """With a kernel present, Gram NS sends its symmetric products of ≥ SYMMETRIC_KERNEL_MIN rows
+    in half precision to it, with quack's gemm_symmetric arguments (C, alpha, beta), and nothing
+    else. The stand-in computes alpha·A@B + beta·C as one torch GEMM, like the unsplit torch path
+    below SYMMETRIC_SPLIT_MIN, so the results are bit-equal."""
+    calls = []
+
+    def stand_in(a, b, C=None, alpha=1.0, beta=1.0):
+        assert isinstance(alpha, float) and isinstance(beta, float)
+        calls.append(a.shape)
+        return a @ b if C is None else newton_schulz._addmm(C, a, b, beta=beta, alpha=alpha)
+
+    rows = SYMMETRIC_KERNEL_MIN
+    g = torch.randn(rows, 3 * rows, generator=torch.Generator().manual_seed(8))
+    without = orthogonalize(g, 5, "polar_express", HALF, algorithm="gram")
+    monkeypatch.setattr(newton_schulz, "symmetric_gemm_kernel", lambda device_type, index: stand_in)
+    with_kernel = orthogonalize(g, 5, "polar_express", HALF, algorithm="gram")
+    assert torch.equal(with_kernel, without)
+    # per run of L steps: X Xᵀ, L squares of G, 2(L − 1) halves of Gram updates
+    assert len(calls) == sum(1 + length + 2 * (length - 1) for length in gram_segments(5, HALF))
+    calls.clear()
+    orthogonalize(g[: rows - 1], 5, "keller", HALF, algorithm="gram")  # below the kernel's tile
+    orthogonalize(g, 5, "keller", torch.float32, algorithm="gram")  # no fp32 kernel
+    orthogonalize(g, 5, "keller", HALF, algorithm="standard")  # standard NS stays as it is
+    assert calls == []
+
+
+def test_muon_step_with_fp16_ns():
+    """The optimizer end to end with ns_dtype="fp16" on one process: the 128 × 512 matrix runs
+    fp16 Gram NS, the 128 × 128 one standard fp16 NS, and comm_dtype "auto" is bf16. Against the
+    all-fp32 update, by the triangle inequality the change is at most what the bf16 wire alone
+    does (measured here with fp32 NS) plus fp16 NS's own rounding, which the tests above bound by
+    2/8 of bf16 NS's (measured here with an fp32 wire)."""
+    from torch import nn
+
+    from titan_muon import Muon
+
+    def update(ns_dtype, comm_dtype):
+        torch.manual_seed(0)
+        params = [nn.Parameter(torch.randn(128, 512)), nn.Parameter(torch.randn(128, 128))]
+        before = [p.detach().clone() for p in params]
+        opt = Muon(params, lr=0.1, ns_dtype=ns_dtype, comm_dtype=comm_dtype)
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt.step()
+        return opt, [p.detach() - b for p, b in zip(params, before)]
+
+    opt, fp16 = update("fp16", "auto")
+    assert opt.comm_dtype == torch.bfloat16
+    assert [opt.newton_schulz.plan(opt.param_groups[0], *p.shape) for p in opt.param_groups[0]["params"]] == [("gram", HALF), ("standard", HALF)]
+    _, exact = update("fp32", "fp32")
+    _, wire_only = update("fp32", "bf16")
+    _, bf16_ns_only = update("bf16", "fp32")
+    for k in range(2):
+        distance = lambda u: (u[k] - exact[k]).norm()
+        assert distance(fp16) <= distance(wire_only) + 2 / 8 * distance(bf16_ns_only), k

@@ -16,8 +16,10 @@ def max_rel(a, b):
 
 
 @pytest.mark.parametrize("nesterov", [True, False])
-@pytest.mark.parametrize("adjust_lr_fn", [None, "original", "match_rms_adamw"])
+@pytest.mark.parametrize("adjust_lr_fn", [None, "original", "match_rms_adamw", "spectral_unclamped"])
 def test_matches_fp32_reference(nesterov, adjust_lr_fn):
+    """The reference computes each adjust_lr_fn from its formula; "spectral_unclamped" (√(A/B))
+    differs from "original" (√max(1, A/B)) on the wide matrices a (30 × 64) and c (3 × 256)."""
     params = make_params()
     muon_names = {"a", "b", "c", "d"}
     kwargs = dict(lr=0.02, weight_decay=0.1, momentum=0.9, nesterov=nesterov, adjust_lr_fn=adjust_lr_fn)
@@ -168,6 +170,37 @@ def test_non_matrix_in_muon_group_is_named():
 
 
 @pytest.mark.parametrize(
+    "group,match",
+    [
+        ({"params": [("x", nn.Parameter(torch.randn(8)))]}, r"'x' has shape \(8,\)"),  # refused while planning
+        ({"params": [("x", nn.Parameter(torch.randn(8, 8)))], "momentum": 1.5}, "momentum"),  # by the settings check
+        ({"params": [("x", nn.Parameter(torch.randn(8, 8)))], "eps": 1e-6, "ns_eps": 1e-5}, "'eps'=1e-06 and 'ns_eps'=1e-05"),
+        ({"params": [("x", nn.Parameter(torch.randn(4, 8, 8)))]}, "matrix_stacks=True"),
+        ({"params": [("x", torch.zeros(8, dtype=torch.int64))], "use_muon": False}, "floating-point"),
+        # refused by the re-planning itself, which then plans the layout without it again
+        ({"params": [("x", nn.Parameter(torch.randn(8, 8, device="meta")))]}, "several devices"),
+    ],
+)
+def test_a_refused_param_group_leaves_nothing_behind(group, match):
+    """add_param_group that raises adds nothing: the group is not in param_groups (nor saved),
+    and the optimizer steps exactly like one that never saw it."""
+    params = make_params()
+    _, untouched = run_titan(params, 1, {"a", "b"}, lr=0.01)
+    _, refused = run_titan(params, 1, {"a", "b"}, lr=0.01)
+    with pytest.raises(ValueError, match=match):
+        refused.add_param_group(group)
+    assert len(refused.param_groups) == 2 and len(refused.state_dict()["param_groups"]) == 2
+    for opt in (untouched, refused):
+        tensors = [p for g in opt.param_groups for p in g["params"]]
+        for p, g in zip(tensors, grads_for(1, params).values()):
+            p.grad = g
+        opt.step()
+    for before, after in zip(*[[p for g in o.param_groups for p in g["params"]] for o in (untouched, refused)]):
+        assert torch.equal(before, after)
+    assert set(refused.state_dict()["state"]) == set(untouched.state_dict()["state"])
+
+
+@pytest.mark.parametrize(
     "kwargs,match",
     [
         (dict(momentum=1.0), "momentum"),
@@ -175,7 +208,8 @@ def test_non_matrix_in_muon_group_is_named():
         (dict(adjust_lr_fn="rms"), "adjust_lr_fn"),
         (dict(ns_coefficients="cubic"), "ns_coefficients"),
         (dict(ns_algorithm="fast"), "ns_algorithm"),
-        (dict(ns_dtype="fp16"), "ns_dtype"),
+        (dict(ns_dtype="fp8"), "ns_dtype"),
+        (dict(comm_dtype="fp16"), "comm_dtype"),  # fp16 NS yes (it scales first), fp16 on the wire no
         (dict(comm_dtype="int8"), "comm_dtype"),
         (dict(lr=-1.0), "lr"),
         (dict(nonfinite_grads="ignore"), "nonfinite_grads"),
@@ -447,12 +481,6 @@ def test_three_dimensional_parameters_need_an_explicit_opt_in():
     with pytest.raises(ValueError, match=r"has shape \(32, 16, 3\): a 3-D parameter .* matrix_stacks=True"):
         Muon([{"params": [conv.weight]}])
     Muon([{"params": [nn.Parameter(torch.randn(4, 16, 8))], "matrix_stacks": True}])
-
-
-def test_eps_in_a_muon_group_is_refused():
-    """torch.optim.Muon's eps is Newton-Schulz's; here that is ns_eps and eps is AdamW's."""
-    with pytest.raises(ValueError, match="'eps' is AdamW's epsilon .* 'ns_eps'"):
-        Muon([{"params": [nn.Parameter(torch.randn(8, 4))], "eps": 1e-5}])
 
 
 def test_state_dict_round_trips_and_a_deep_copy_steps_like_the_original():

@@ -84,10 +84,30 @@ def test_extras():
     assert "matplotlib" not in extras["torchtitan"], "training does not plot"
 
 
+# Optional kernels the core uses where they are installed (docs/newton_schulz.md): imported only
+# inside a try block that falls back to torch, so the core still needs torch alone.
+OPTIONAL_KERNELS = {"gram_newton_schulz", "quack"}
+
+
+def _imports_outside_try(path: Path, modules: set[str]) -> list[int]:
+    """Lines of `path` importing one of `modules` outside the body of a try statement."""
+    tree = ast.parse(path.read_text(), str(path))
+    guarded = {id(inner) for node in ast.walk(tree) if isinstance(node, ast.Try) for stmt in node.body for inner in ast.walk(stmt)}
+    lines = []
+    for node in ast.walk(tree):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
+        if any(name.partition(".")[0] in modules for name in names) and id(node) not in guarded:
+            lines.append(node.lineno)
+    return lines
+
+
 def test_core_modules_import_only_torch():
-    """Static half of the check below: no core module names a third-party module but torch,
-    and none imports the adapter."""
-    assert set(third_party_imports(core_files())) == {"torch"}
+    """Static half of the check below: no core module names a third-party module but torch
+    (and the optional kernels, each only inside a try block), and none imports the adapter."""
+    imports = third_party_imports(core_files())
+    assert set(imports) - OPTIONAL_KERNELS == {"torch"}
+    for path in core_files():
+        assert not _imports_outside_try(path, OPTIONAL_KERNELS), path
     for path in core_files():
         assert "titan_muon.torchtitan" not in path.read_text().replace("titan_muon/torchtitan", ""), path
 
@@ -185,6 +205,19 @@ def test_torchtitan_versions_the_adapter_accepts():
     for version in ("0.4.0", "0.1.0", "1.0", "unknown"):
         with pytest.raises(ImportError, match="torchtitan==0.2.2"):
             check_torchtitan_version(version)
+
+
+def test_pyproject_says_which_torchtitan_versions_train():
+    """The comment over the torchtitan extra tells what check_torchtitan_version does: every
+    minor version it accepts trains (test_torchtitan_versions_the_adapter_accepts), the others
+    are refused at import. It once said 0.3.x was refused while 0.3.0 trained."""
+    from titan_muon.torchtitan import SUPPORTED
+
+    text = (REPO / "pyproject.toml").read_text()
+    comment = " ".join(line.lstrip("# ") for line in text.split("torchtitan = [")[0].splitlines()[-6:] if line.startswith("#"))
+    for major, minor in SUPPORTED:
+        assert f"{major}.{minor}." in comment, f"pyproject.toml's torchtitan comment should name {major}.{minor}"
+    assert "Both minor versions train" in comment and "Any other version is refused at import" in comment
 
 
 def test_titan_muon_train_is_an_alias_of_the_launcher():

@@ -270,3 +270,45 @@ def test_plan_is_deterministic_and_fingerprinted():
     assert a == b and a.fingerprint() == b.fingerprint()
     c = build_plan(_units(TRANSFORMER[:-1]), shardings, 4, 2**20)
     assert c.fingerprint() != a.fingerprint()
+
+
+def _traffic_script():
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "measure_traffic.py"
+    spec = importlib.util.spec_from_file_location("measure_traffic", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_rank_sends_at_most_its_shard_plus_the_matrices_it_owns():
+    """What the plan guarantees about bytes (README, "Communication"): a rank sends its pieces of
+    the matrices owned elsewhere (at most its shard) and returns the other ranks' pieces of those
+    it owns (at most their size). On scripts/measure_traffic.py's layouts and 40 seeded random
+    sets of small uneven matrices at W = 2, 3, 4."""
+    traffic = _traffic_script()
+    cases = dict(traffic.all_cases())
+    rng = random.Random(26)
+    for trial in range(40):
+        shapes = [(rng.randint(1, 80), rng.randint(1, 80)) for _ in range(rng.randint(2, 6))]
+        world = rng.choice([2, 3, 4])
+        cases[f"random {trial}: {shapes}, W = {world}"] = traffic.small_case(shapes, world)
+    for label, rows in cases.items():
+        for rank, (sent, shard, owned) in enumerate(rows):
+            assert sent <= shard + owned, (label, rank, sent, shard, owned)
+
+
+def test_readme_states_the_traffic_the_plan_sends():
+    """README's per-rank byte figures are what the plan sends (scripts/measure_traffic.py), so a
+    change of the plan that moves them fails here until the README says so."""
+    from pathlib import Path
+
+    traffic = _traffic_script()
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    for label, rows in traffic.all_cases().items():
+        figure = f"{label}: {traffic.busiest_ratio(rows):.2f}×"
+        assert figure in readme, f"README.md should state {figure!r} (scripts/measure_traffic.py)"

@@ -50,7 +50,9 @@ from torchtitan.components.checkpointer import CheckpointManager  # noqa: E402
 from torchtitan.config import ConfigManager, apply_overrides  # noqa: E402
 from torchtitan.models.common.attention import FlexAttention  # noqa: E402
 
+from titan_muon.attention_layers import find_attention_layers  # noqa: E402
 from titan_muon.clip import QKClip  # noqa: E402
+from titan_muon.split import attention_row_blocks  # noqa: E402
 from titan_muon.torchtitan import config as optimizer_section  # noqa: E402
 from titan_muon.torchtitan.checkpoint import CheckpointError, check_before_resume  # noqa: E402
 from titan_muon.torchtitan.data import (  # noqa: E402
@@ -62,6 +64,7 @@ from titan_muon.torchtitan.launch import (  # noqa: E402
     finish,
     local_nodes_rendezvous,
     log_tail,
+    read_checkpoint,
     read_losses,
     read_scalars,
     run_together,
@@ -137,6 +140,36 @@ def test_one_override_switches_a_stock_recipe_to_muon():
     assert (config.optimizer.beta1, config.optimizer.beta2, config.optimizer.eps) == (0.9, 0.95, 1e-8)
 
 
+def test_the_recipes_adamw_weight_decay_stays_adamws():
+    """The override carries the recipe's AdamW settings to Muon's AdamW groups only: its weight
+    decay (0.05 here, not the Muon default 0.1, so the two can be told apart) becomes
+    adamw_weight_decay, and Muon's weight decay stays its own (the default, or the override's)."""
+    from torchtitan.components.optimizer import OptimizersContainer
+    from torchtitan.components.optimizer.optimizer import ParamGroupConfig
+
+    from titan_muon.torchtitan.muon import muon_kwargs, param_group_kwargs
+    from titan_muon.torchtitan.v030.optimizer import muon
+
+    adamw = {"lr": 8e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.05}
+    recipe = OptimizersContainer.Config(param_groups=[ParamGroupConfig(pattern=".*", optimizer_name="AdamW", optimizer_kwargs=adamw)])
+    replaced = muon(recipe)
+    assert (param_group_kwargs(replaced)["adamw_weight_decay"], param_group_kwargs(replaced)["adamw_lr"]) == (0.05, 8e-4)
+    assert muon_kwargs(replaced)["weight_decay"] == MuonOptimizersContainer.Config().weight_decay == 0.1
+    assert muon_kwargs(muon(recipe, weight_decay=0.2))["weight_decay"] == 0.2
+    assert param_group_kwargs(muon(recipe, adamw_weight_decay=0.3))["adamw_weight_decay"] == 0.3  # the override's wins
+
+
+@pytest.mark.parametrize("adjust_lr_fn", ["original", "match_rms_adamw", "spectral_unclamped"])
+def test_every_adjust_lr_fn_of_distmuon_is_accepted(adjust_lr_fn):
+    """torchtitan 0.3.0's DistMuon takes these three; so does the 0.3.0 container's config."""
+    from titan_muon.torchtitan.v030.optimizer import check_config
+
+    config = MuonOptimizersContainer.Config(adjust_lr_fn=adjust_lr_fn)
+    check_config(config)
+    argv = ["--job.config_file", MUON, "--optimizer.adjust_lr_fn", adjust_lr_fn]
+    assert parse(argv).optimizer.adjust_lr_fn == adjust_lr_fn
+
+
 @pytest.mark.parametrize("name", ["llama3_gqa_muon", "llama3_gqa_adamw", "mla_muon", "moe_mla_muon"])
 def test_every_shipped_toml_builds_a_030_config(name):
     config = parse(["--job.config_file", f"train_configs/{name}.toml"])
@@ -150,9 +183,9 @@ def test_every_shipped_toml_builds_a_030_config(name):
     check_supported(config)
 
 
-def test_qk_clip_is_refused_where_0_2_2_refuses_it_and_with_cuda_graphs():
+def test_qk_clip_is_refused_under_0_3_0_context_parallel_and_with_cuda_graphs():
     config = parse(["--job.config_file", MUON, "--parallelism.context_parallel_degree", "2"])
-    with pytest.raises(ValueError, match="qk_clip = true cannot be used with .* context_parallel_degree = 2"):
+    with pytest.raises(ValueError, match="qk_clip cannot be used with parallelism.context_parallel_degree = 2 under torchtitan 0.3.0"):
         check_supported(config)
     config = parse(["--job.config_file", MUON, "--training.no-disable_cuda_graphs"])
     with pytest.raises(ValueError, match="qk_clip records max attention logits with Python hooks"):
@@ -236,6 +269,24 @@ def test_recorded_max_is_the_max_of_the_logits_softmax_sees(name, attention, eag
         torch.testing.assert_close((logits.softmax(-1) @ v64).transpose(1, 2), output.double(), rtol=1e-4, atol=1e-5)
         expected = logits.amax(dim=(0, 2, 3))
         torch.testing.assert_close(qk_clip.recorder.max_logits[index].double(), expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name, kind", [("llama3", "fused_wqkv"), ("llama3_unfused", "gqa"), ("mla", "mla")])
+def test_split_clip_and_recorder_find_the_same_030_attention_layers(name, kind):
+    """One finder (titan_muon.attention_layers) on 0.3.0's own modules: Split cuts, QK-clip scales and
+    the recorder hooks exactly the layers and projections it reports."""
+    model = attention_model(name, "sdpa")
+    layers = find_attention_layers(model)
+    assert [layer.kind for layer in layers] == [kind] * len(model.layers)
+    blocks = attention_row_blocks(model)
+    assert set(blocks) == {layer.weight_fqn(p) for layer in layers for p in layer.projection_names()}
+    assert set(blocks) <= {n for n, _ in model.named_parameters()}
+    qk_clip = QKClip(model)
+    assert [(c.name, c.module) for c in qk_clip.layers] == [(f.name, f.module) for f in layers]
+    assert qk_clip.recorder.layers == [layer.module for layer in layers]
+    for layer in qk_clip.layers:
+        assert model.get_parameter(layer.weight_fqn(layer.query_projection_name)) is layer.query_projection.weight
+    qk_clip.remove()
 
 
 @pytest.mark.parametrize("name", ["llama3", "llama3_unfused", "mla"])
@@ -337,6 +388,52 @@ def test_two_nodes_match_one_node(reference, workdir):
         expected = read_scalars(str(reference), tag)
         assert sorted(expected) == list(range(1, STEPS + 1)), tag
         assert read_scalars(str(workdir / "two_nodes"), tag) == expected, tag
+
+
+@pytest.mark.parametrize("mode", ["async", "async_with_pinned_mem"])
+def test_async_checkpoint_equals_the_synchronous_one_and_resumes_exactly(reference, workdir, mode):
+    """[checkpoint] async_mode, as on 0.2.2 (tests/test_torchtitan_train.py): the reference run's flags
+    with its saves asynchronous log the reference's losses and MuonClip metrics, write a step-4
+    checkpoint equal to the reference's entry by entry, and a run resumed from it continues bit for bit.
+    "async_with_pinned_mem" stages on a background thread while the next step runs and writes from a
+    separate process; on the CPU without pinned memory (titan_muon.torchtitan.cpu.
+    stage_checkpoints_without_accelerator)."""
+    dump = f"async_{mode}"
+    flags = [*CLIPPING, *CHECKPOINT_AT_RESUME_STEP, "--checkpoint.async_mode", mode]
+    train(MUON, tiny(workdir, dump, *flags))
+    for tag in ("loss_metrics/global_avg_loss", "qk_clip/max_logit"):
+        assert read_scalars(str(workdir / dump), tag) == read_scalars(str(reference), tag), tag
+    step = f"step-{RESUME_STEP}"
+    got, expected = (read_checkpoint(str(folder / "checkpoint" / step)) for folder in (workdir / dump, reference))
+    assert sorted(got) == sorted(expected)
+    differ = [k for k, v in expected.items() if not (torch.equal(got[k], v) if isinstance(v, torch.Tensor) else got[k] == v)]
+    assert not differ, differ[:8]
+    shutil.copytree(workdir / dump / "checkpoint" / step, workdir / f"{dump}_resumed" / "checkpoint" / step)
+    train(MUON, tiny(workdir, f"{dump}_resumed", *flags))
+    straight, resumed = read_losses(str(reference)), read_losses(str(workdir / f"{dump}_resumed"))
+    assert sorted(resumed) == list(range(RESUME_STEP + 1, STEPS + 1))
+    assert resumed == {step: straight[step] for step in resumed}  # bit for bit
+
+
+def test_async_checkpoint_with_fp8_momentum_and_overlap_resumes_exactly(workdir):
+    """fp8 momentum held on the owners (overlap), saved with "async_with_pinned_mem": state_dict()
+    gathers each parameter's codes and exponents from the owners by a collective on the training
+    thread, then the copy runs on a background thread during step 3's forward and backward (whose
+    hooks send gradients to the owners). A run resumed from step 2 logs steps 3 and 4 bit for bit."""
+    flags = [
+        *CLIPPING, "--optimizer.momentum_dtype", "fp8", "--optimizer.overlap", "--checkpoint.enable",
+        "--checkpoint.interval", "2", "--checkpoint.no-last-save-model-only", "--checkpoint.async_mode", "async_with_pinned_mem",
+    ]  # fmt: skip
+    train(MUON, tiny(workdir, "async_fp8_overlap", *flags, steps=4))
+    straight = workdir / "async_fp8_overlap"
+    assert all(v > 0 for v in read_scalars(str(straight), "muon/rounds_sent_in_backward").values())
+    saved = read_checkpoint(str(straight / "checkpoint" / "step-2"))
+    assert any(k.endswith("momentum_fp8") for k in saved) and not any(k.endswith("momentum_buffer") for k in saved)
+    shutil.copytree(straight / "checkpoint" / "step-2", workdir / "async_fp8_overlap_resumed" / "checkpoint" / "step-2")
+    train(MUON, tiny(workdir, "async_fp8_overlap_resumed", *flags, steps=4))
+    expected, resumed = read_losses(str(straight)), read_losses(str(workdir / "async_fp8_overlap_resumed"))
+    assert sorted(resumed) == [3, 4]
+    assert resumed == {step: expected[step] for step in resumed}
 
 
 def test_moe_experts_are_all_muon_parameters(workdir):

@@ -55,7 +55,8 @@ def test_unknown_optimizer_key_is_named(tmp_path):
 @pytest.mark.parametrize(
     "line, key",
     [
-        ('ns_dtype = "fp16"', "ns_dtype"),
+        ('ns_dtype = "fp8"', "ns_dtype"),
+        ('comm_dtype = "fp16"', "comm_dtype"),
         ('momentum_dtype = "fp16"', "momentum_dtype"),
         ("ns_steps = 0", "ns_steps"),
         ("momentum = 1.5", "momentum"),
@@ -78,12 +79,12 @@ def test_invalid_optimizer_value_is_named(tmp_path, line, key):
 @pytest.mark.parametrize(
     "flags, message",
     [
-        ((), r"\[optimizer\] demo = true needs nesterov = false"),
+        (("--optimizer.no-demo_shared_momentum",), r"\[optimizer\] demo = true with demo_shared_momentum = false needs nesterov = false"),
         (("--optimizer.no-nesterov", "--optimizer.demo_chunk", "0"), r"\[optimizer\] demo_chunk"),
         (("--optimizer.no-nesterov", "--optimizer.demo_topk", "5000"), r"\[optimizer\] demo_topk"),
         (("--optimizer.no-nesterov", "--optimizer.demo_alpha", "2"), r"\[optimizer\] demo_alpha"),
-        (("--optimizer.no-nesterov", "--optimizer.momentum_dtype", "bf16"), r"\[optimizer\] momentum_dtype"),
-        (("--optimizer.no-nesterov", "--optimizer.overlap"), r"\[optimizer\] demo = true does not support overlap"),
+        (("--optimizer.momentum_dtype", "bf16"), r"\[optimizer\] momentum_dtype"),
+        (("--optimizer.overlap",), r"\[optimizer\] demo = true does not support overlap"),
         (("--optimizer.no-nesterov", "--optimizer.name", "AdamW", "--optimizer.no-qk_clip"), r'demo = true needs name = "Muon"'),
     ],
 )
@@ -96,10 +97,32 @@ def test_demo_settings_are_checked(flags, message):
 def test_demo_keys_reach_the_optimizer():
     from titan_muon.torchtitan.optimizer import muon_kwargs
 
-    optimizer = parse("--optimizer.demo", "--optimizer.no-nesterov", "--optimizer.demo_topk", "4").optimizer
+    optimizer = parse("--optimizer.demo", "--optimizer.no-nesterov", "--optimizer.demo_topk", "4", "--optimizer.no-demo_shared_momentum").optimizer
     validate_optimizer_config(optimizer)
     kwargs = muon_kwargs(optimizer)
-    assert (kwargs["demo"], kwargs["demo_chunk"], kwargs["demo_topk"], kwargs["demo_alpha"]) == (True, 64, 4, 0.2)
+    assert (kwargs["demo"], kwargs["demo_chunk"], kwargs["demo_topk"], kwargs["demo_alpha"]) == (True, 64, 4, 1.0)
+    assert kwargs["demo_shared_momentum"] is False
+
+
+def test_demo_is_one_switch_on_the_shipped_config(tmp_path):
+    """``--optimizer.demo`` on the shipped Muon config (momentum 0.95, nesterov = true, fp32
+    momentum) is valid as it is: the shared momentum is the config's Nesterov momentum. The same
+    in the TOML (``demo = true``). Only a setting made explicitly against DeMo is refused, by name."""
+    from titan_muon.torchtitan.optimizer import muon_kwargs
+
+    optimizer = parse("--optimizer.demo").optimizer
+    validate_optimizer_config(optimizer)
+    kwargs = muon_kwargs(optimizer)
+    assert kwargs["demo"] and kwargs["demo_shared_momentum"] and kwargs["nesterov"] and kwargs["momentum_dtype"] == "fp32"
+    toml = tmp_path / "demo.toml"
+    text = Path(MUON_TOML).read_text()
+    assert text.count("\ndemo = false ") == 1
+    toml.write_text(text.replace("\ndemo = false ", "\ndemo = true ", 1))
+    from_toml = parse(toml=str(toml)).optimizer
+    assert from_toml.demo
+    validate_optimizer_config(from_toml)
+    with pytest.raises(ValueError, match=r"\[optimizer\] momentum_dtype"):
+        validate_optimizer_config(parse("--optimizer.demo", "--optimizer.momentum_dtype", "bf16").optimizer)
 
 
 def test_demo_parallelizes_without_replicas():
@@ -136,17 +159,17 @@ def test_qk_clip_with_another_optimizer_is_refused(name):
     validate_optimizer_config(optimizer)
 
 
-def test_qk_clip_under_context_parallel_is_refused():
+def test_qk_clip_under_context_parallel_reduces_over_the_cp_ranks():
+    """Context parallel is recorded (tests/test_clip_context_parallel.py), no longer refused; the
+    reduction group without pipeline parallel is the world, which holds every CP rank."""
     from torchtitan.distributed import ParallelDims
 
-    from titan_muon.torchtitan.qk_clip import qk_clip_group
+    from titan_muon.torchtitan.qk_clip import context_parallel_sequence, qk_clip_group
 
     dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=2, tp=1, pp=1, ep=1, etp=1, world_size=2)
-    # Checked before any mesh is built: the same error on every rank, no collective.
-    with pytest.raises(ValueError, match=r"\[optimizer\] qk_clip = true .*\[parallelism\] context_parallel_degree = 2"):
-        qk_clip_group(dims)
-    with pytest.raises(ValueError, match=r"context_parallel_degree = 2"):
-        MuonOptimizersContainer([tiny_llama()], parse().optimizer, dims)
+    assert qk_clip_group(dims) is None  # checked without building a mesh: no collective
+    no_cp = ParallelDims(dp_replicate=1, dp_shard=2, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=2)
+    assert context_parallel_sequence(no_cp) is None
 
 
 def test_muon_without_config_module_is_explained(tmp_path):
@@ -237,3 +260,17 @@ def test_incomplete_newest_checkpoint_is_skipped_but_named(tmp_path):
     assert checkpoint_to_resume(str(tmp_path), load_step=-1) == (20, str(tmp_path / "step-20"))
     assert interrupted_saves(str(tmp_path), resume_step=20) == []
     assert checkpoint_to_resume(str(tmp_path / "absent"), load_step=-1) is None
+
+
+@pytest.mark.parametrize("adjust_lr_fn", ["original", "match_rms_adamw", "spectral_unclamped"])
+def test_every_adjust_lr_fn_is_accepted_from_toml_and_cli_and_reaches_muon(tmp_path, adjust_lr_fn):
+    from titan_muon import Muon
+    from titan_muon.torchtitan.optimizer import muon_kwargs
+
+    toml = tmp_path / "adjust.toml"
+    toml.write_text(Path(MUON_TOML).read_text().replace('adjust_lr_fn = "original"', f'adjust_lr_fn = "{adjust_lr_fn}"'))
+    for config in (parse(toml=str(toml)).optimizer, parse("--optimizer.adjust_lr_fn", adjust_lr_fn).optimizer):
+        validate_optimizer_config(config)
+        assert muon_kwargs(config)["adjust_lr_fn"] == adjust_lr_fn
+    opt = Muon([torch.nn.Parameter(torch.randn(4, 8))], adjust_lr_fn=adjust_lr_fn)
+    assert opt.param_groups[0]["adjust_lr_fn"] == adjust_lr_fn

@@ -8,10 +8,12 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from distributed import one_sequence_corpus, tiny_run_flags, trainer_flags
 from titan_muon.torchtitan.launch import (
-    local_nodes_rendezvous, log_tail, read_losses, read_scalars, run_together, run_training, torchrun_command,
+    local_nodes_rendezvous, log_tail, read_checkpoint, read_losses, read_scalars, run_together, run_training,
+    torchrun_command,
 )  # fmt: skip
 
 pytestmark = pytest.mark.timeout(1800)
@@ -172,3 +174,101 @@ def test_mla_with_split_overlap_and_fp8_resumes_exactly(workdir):
     assert any(v > 0 for v in read_scalars(str(straight), "qk_clip/heads_clipped").values())  # MuonClip clipped
     # Max logits start near 0.07 on this model; each clipped step brings them back to tau.
     assert any(v > 0.05 for v in read_scalars(str(straight), "qk_clip/max_logit").values())
+
+
+def assert_same_checkpoint(path: Path, expected_path: Path) -> None:
+    """Every entry of two DCP checkpoints (weights, optimizer state, schedulers, data position) equal, bit for bit."""
+    got, expected = read_checkpoint(str(path)), read_checkpoint(str(expected_path))
+    assert sorted(got) == sorted(expected)
+    differ = [k for k, v in expected.items() if not (torch.equal(got[k], v) if isinstance(v, torch.Tensor) else got[k] == v)]
+    assert not differ, f"{path} differs from {expected_path} in {differ[:8]}"
+
+
+def resume_from(straight: Path, workdir: Path, dump: str, step: int, overrides: list[str]) -> dict[int, float]:
+    """Losses of a run resumed from ``straight``'s step-``step`` checkpoint (copied into a new dump folder)."""
+    shutil.copytree(straight / "checkpoint" / f"step-{step}", workdir / dump / "checkpoint" / f"step-{step}")
+    run_training_with_timeout(MUON, tiny(workdir, dump, *overrides))
+    return read_losses(str(workdir / dump))
+
+
+@pytest.mark.parametrize("mode", ["async", "async_with_pinned_mem"])
+def test_async_checkpoint_equals_the_synchronous_one_and_resumes_exactly(reference, workdir, mode):
+    """[checkpoint] async_mode: torchtitan snapshots the state dict (our optimizer's state_dict()
+    runs on the training thread, inside dcp.async_save) and writes it from a thread ("async") or a
+    separate process while the next step's forward and backward run ("async_with_pinned_mem"; on
+    the CPU without pinned memory, cpu.stage_checkpoints_without_accelerator). A write racing the
+    next step would store some of step 5's values under step 4: the same run with synchronous
+    saves (the shared reference) gives the expected files, entry by entry."""
+    dump = f"async_{mode}"
+    run_training_with_timeout(MUON, tiny(workdir, dump, *CHECKPOINT_AT_RESUME_STEP, "--checkpoint.async_mode", mode))
+    assert read_losses(str(workdir / dump)) == read_losses(str(reference))  # saving changed nothing
+    assert_same_checkpoint(workdir / dump / "checkpoint" / f"step-{RESUME_STEP}", reference / "checkpoint" / f"step-{RESUME_STEP}")
+    resumed = resume_from(workdir / dump, workdir, f"{dump}_resumed", RESUME_STEP, ["--checkpoint.enable"])
+    assert sorted(resumed) == list(range(RESUME_STEP + 1, STEPS + 1))
+    assert resumed == {step: read_losses(str(reference))[step] for step in resumed}  # bit for bit
+
+
+ASYNC_EVERY_2 = [
+    "--training.steps", "4", "--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.no-last-save-model-only",
+]  # fmt: skip
+FP8, OVERLAP = ["--optimizer.momentum_dtype", "fp8"], ["--optimizer.overlap"]
+
+
+@pytest.mark.parametrize(
+    "mode, features",
+    [("async", FP8), ("async", OVERLAP), ("async_with_pinned_mem", [*FP8, *OVERLAP])],
+    ids=["fp8-momentum", "overlap", "pinned-mem-fp8-overlap"],
+)
+def test_async_checkpoint_resumes_exactly(workdir, mode, features):
+    """fp8 momentum (codes and per-row exponents) and overlap (momentum held on each matrix's owner,
+    gathered back into per-parameter shards by a collective inside state_dict(), which must
+    finish before dcp.async_save returns; with "async_with_pinned_mem" the copy of what it built
+    runs on a background thread during the next step's forward and backward): a run resumed
+    from the async step-2 checkpoint logs the uninterrupted run's losses at steps 3 and 4 bit
+    for bit."""
+    flags = [*ASYNC_EVERY_2, "--checkpoint.async_mode", mode, *features]
+    dump = f"async_{mode}_" + "_".join(f.removeprefix("--optimizer.") for f in features)
+    run_training_with_timeout(MUON, tiny(workdir, dump, *flags))
+    straight = read_losses(str(workdir / dump))
+    resumed = resume_from(workdir / dump, workdir, f"{dump}_resumed", 2, flags)
+    assert sorted(resumed) == [3, 4]
+    assert resumed == {step: straight[step] for step in resumed}
+    saved = read_checkpoint(str(workdir / dump / "checkpoint" / "step-2"))
+    if "fp8" in features:  # the option took effect: fp8 codes saved, no fp32 momentum
+        assert any(k.endswith("momentum_fp8") for k in saved) and not any(k.endswith("momentum_buffer") for k in saved)
+    else:  # the owners' momentum was saved per parameter
+        assert saved["optimizer/state.layers.0.attention.wq.weight.momentum_buffer"].shape == (64, 64)
+    if "--optimizer.overlap" in features:  # overlap sent gradients during backward
+        assert all(v > 0 for v in read_scalars(str(workdir / dump), "muon/rounds_sent_in_backward").values())
+
+
+FLOAT8 = [
+    "--model.converters", "quantize.linear.float8", "--quantize.linear.float8.emulate",
+    "--quantize.linear.float8.enable_fsdp_float8_all_gather",
+    "--quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp",
+]  # fmt: skip
+
+
+def test_float8_training_trains_and_resumes_exactly(reference, workdir):
+    """torchtitan's float8 converter (torchao Float8Linear, tensorwise scales, float8 all-gather in
+    FSDP2, scales precomputed after each optimizer step; emulated float8 matmuls on the CPU):
+    Muon's hidden matrices and the AdamW output head are float8-wrapped DTensors, and MuonClip
+    (tau 0.05: every step clips) rescales wq / wk rows through the wrapper. The loss falls, the
+    clipped heads' logits fall, and a run resumed from step 4 continues bit for bit.
+    tests/test_float8_distributed.py checks the step itself against the unconverted model."""
+    flags = [*FLOAT8, "--optimizer.qk_clip_tau", "0.05"]
+    run_training_with_timeout(MUON, tiny(workdir, "float8", *flags, *CHECKPOINT_AT_RESUME_STEP))
+    losses = read_losses(str(workdir / "float8"))
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    assert losses[STEPS] < losses[1]
+    # step 1 runs the initial weights: float8 casts change its loss (so the converter ran), a little
+    assert losses[1] != read_losses(str(reference))[1]
+    assert losses[1] == pytest.approx(read_losses(str(reference))[1], rel=1e-2)
+    # The max logit starts at 0.139 and stays 0.12-0.14 without clipping (measured); a clip written into
+    # the float8-wrapped weights brings it to tau = 0.05, and one Muon step moves it to 0.058-0.065.
+    max_logit = read_scalars(str(workdir / "float8"), "qk_clip/max_logit")
+    assert all(v > 0 for v in read_scalars(str(workdir / "float8"), "qk_clip/heads_clipped").values())
+    assert all(max_logit[step] < 0.6 * max_logit[1] for step in range(2, STEPS + 1)), max_logit
+    resumed = resume_from(workdir / "float8", workdir, "float8_resumed", RESUME_STEP, [*flags, "--checkpoint.enable"])
+    assert sorted(resumed) == list(range(RESUME_STEP + 1, STEPS + 1))
+    assert resumed == {step: losses[step] for step in resumed}

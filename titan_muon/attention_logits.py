@@ -15,7 +15,10 @@ checkpointing's recompute is skipped: it repeats a recorded forward) without bui
 (:func:`block_budget`), one batched matmul of strided views per block, sequence and position
 in a GQA group.
 Under tensor parallelism a rank sees only its heads; they go to their global head slots,
-found from the global rows of the query projection it holds.
+found from the global rows of the query projection it holds. Under context parallelism a rank
+sees only its slice of the sequence: its queries are taken against every rank's keys, gathered
+and masked by global position (:class:`ContextParallelSequence`, :func:`context_parallel_max_logits`).
+The layers themselves are found by :mod:`titan_muon.attention_layers`.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import inspect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -32,7 +36,11 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.nn.attention.flex_attention import AuxOutput, AuxRequest
 
-from titan_muon.fused_qkv import fused_qkv_layout, projection_owner
+from titan_muon.attention_layers import (
+    AttentionLayer,
+    describe_attention,
+    find_attention_layers,
+)
 from titan_muon.layout import local_block
 
 CPU_BLOCK_BYTES = 4 << 20
@@ -54,13 +62,14 @@ def block_budget(q: Tensor, k: Tensor, block_bytes: int | None = None) -> int:
     return min(cap, q.numel() * q.element_size() + k.numel() * k.element_size())
 
 
-def block_rows(q: Tensor, k: Tensor, block_bytes: int | None = None, *, masked: bool = False) -> int:
+def block_rows(q: Tensor, k: Tensor, block_bytes: int | None = None, *, masked: bool = False, positional: bool = False) -> int:
     """Query rows per block: one block materializes (KV heads, rows, keys) logits, plus with a
-    ``mask_mod`` (``masked``) two bool grids of that shape; at least one row. Under the causal
-    mask the (rows, rows) bool diagonal mask is kept to at most 1/16 of the budget."""
+    ``mask_mod`` (``masked``) two bool grids of that shape, or with causal positions
+    (``positional``, context parallel) one (rows, keys) bool grid; at least one row. Under the
+    causal mask the (rows, rows) bool diagonal mask is kept to at most 1/16 of the budget."""
     budget = block_budget(q, k, block_bytes)
     kv_heads, q_len, kv_len = k.shape[1], q.shape[2], k.shape[2]
-    per_row = kv_heads * max(1, kv_len) * (q.element_size() + (2 if masked else 0))
+    per_row = kv_heads * max(1, kv_len) * (q.element_size() + (2 if masked else 0)) + (max(1, kv_len) if positional else 0)
     rows = min(q_len, budget // per_row, math.isqrt(budget // 16))
     return max(1, rows)
 
@@ -84,6 +93,9 @@ def block_max_logits(
     is_causal: bool = True,
     mask_mod=None,
     block_bytes: int | None = None,
+    query_positions: Tensor | None = None,
+    key_positions: Tensor | None = None,
+    masked_keys: tuple[int, int] | None = None,
 ) -> Tensor:
     """Max over batch, queries and unmasked keys of ``scale * q·k`` for every query head, in fp32.
 
@@ -91,6 +103,12 @@ def block_max_logits(
     K head g serves Q heads g*Hq/Hk ... (g+1)*Hq/Hk - 1, as SDPA's ``enable_gqa``), any strides.
     ``mask_mod(b, h, q_idx, kv_idx) -> bool`` (FlexAttention's convention: True = attend)
     replaces the causal mask when given. A head whose every logit is masked reports -inf.
+    ``query_positions`` (Lq,) and ``key_positions`` (Lk,), integer tensors on q's device, give
+    each query's and key's position in the whole sequence when q and k are not the same
+    contiguous stretch of it (context parallel: a rank's queries against every rank's keys);
+    the causal mask then keeps key j for query i when ``key_positions[j] <= query_positions[i]``.
+    ``masked_keys`` ``(start, stop)``: the caller knows every key outside it is visible to every
+    query, so the positional mask is built and applied on those keys only.
 
     Neither q nor k is copied: for every sequence b and every position r of a Q head in its
     group, one batched matmul over the K heads multiplies strided views of a block of queries
@@ -101,11 +119,15 @@ def block_max_logits(
     if q_heads % kv_heads:
         raise ValueError(f"max-logit recording: {q_heads} query heads are not a multiple of {kv_heads} key heads")
     causal = is_causal and mask_mod is None
-    if causal and q_len != kv_len:
+    positional = causal and (query_positions is not None or key_positions is not None)
+    if positional:
+        _check_positions(query_positions, key_positions, q_len, kv_len)
+    elif causal and q_len != kv_len:
         raise ValueError(f"max-logit recording: causal attention with {q_len} queries but {kv_len} keys is not supported")
     scale = 1.0 / math.sqrt(dim) if scale is None else float(scale)
     rep = q_heads // kv_heads
-    block = block_rows(q, k, block_bytes, masked=mask_mod is not None)
+    block = block_rows(q, k, block_bytes, masked=mask_mod is not None, positional=positional)
+    mask_start, mask_stop = masked_keys if masked_keys is not None else (0, kv_len)
 
     # Views only: Q head g*rep + r is queries[:, g, r]; (Hk, rows, D) @ (Hk, D, keys) per (b, r).
     queries = q.detach().unflatten(1, (kv_heads, rep))  # (B, Hk, rep, Lq, D)
@@ -114,7 +136,8 @@ def block_max_logits(
     buffer = torch.empty(kv_heads * block * kv_len, dtype=q.dtype, device=q.device)
     per_head = _per_head_matmul(q)
     zero = torch.zeros((), dtype=q.dtype, device=q.device) if per_head else None
-    upper = torch.ones(block, block, dtype=torch.bool, device=q.device).triu_(1) if causal else None  # j > i
+    diagonal = causal and not positional
+    upper = torch.ones(block, block, dtype=torch.bool, device=q.device).triu_(1) if diagonal else None  # j > i
     blocks = range(0, q_len, block)
     # Every (block, b, r) writes its (Hk,) maxima into its own row: one kernel, one max at the end.
     maxima = torch.full((max(1, len(blocks)), batch, rep, kv_heads), -math.inf, dtype=q.dtype, device=q.device)
@@ -122,8 +145,10 @@ def block_max_logits(
         end = min(q_len, start + block)
         rows = end - start
         # Causal: keys after the block are never computed; only the diagonal square needs a mask.
-        keys_end = end if causal else kv_len
+        keys_end = end if diagonal else kv_len
         logits = buffer[: kv_heads * rows * keys_end].view(kv_heads, rows, keys_end)
+        # Positional causal mask: one (rows, keys) grid per block, shared by every sequence and head.
+        later = key_positions[None, mask_start:mask_stop] > query_positions[start:end, None] if positional else None
         for b in range(batch):
             keys = keys_t[b, :, :, :keys_end]
             for r in range(rep):
@@ -133,7 +158,9 @@ def block_max_logits(
                         torch.addmm(zero, block_queries[g], keys[g], beta=0, out=logits[g])
                 else:
                     torch.bmm(block_queries, keys, out=logits)
-                if causal:
+                if positional:
+                    logits[..., mask_start:mask_stop].masked_fill_(later, -math.inf)
+                elif causal:
                     logits[..., start:end].masked_fill_(upper[:rows, :rows], -math.inf)
                 elif mask_mod is not None:
                     logits.masked_fill_(~_allowed(mask_mod, b, kv_heads, rep, r, start, end, kv_len, q.device), -math.inf)
@@ -141,6 +168,16 @@ def block_max_logits(
     # max is exact in any dtype: take it in the activations' dtype, widen only the result; and
     # multiply after the max (the scale is positive): one fewer pass over the block.
     return (maxima.amax(dim=(0, 1)).float() * scale).transpose(0, 1).reshape(q_heads)
+
+
+def _check_positions(query_positions: Tensor | None, key_positions: Tensor | None, q_len: int, kv_len: int) -> None:
+    if query_positions is None or key_positions is None:
+        raise ValueError("max-logit recording: query_positions and key_positions go together")
+    if query_positions.shape != (q_len,) or key_positions.shape != (kv_len,):
+        raise ValueError(
+            f"max-logit recording: positions of shapes {tuple(query_positions.shape)} and {tuple(key_positions.shape)} "
+            f"for {q_len} queries and {kv_len} keys"
+        )
 
 
 @dataclass(frozen=True)
@@ -152,6 +189,10 @@ class InputLayout:
     q_name: str = "q"
     k_name: str = "k"
     heads_dim: int = 1
+
+    @property
+    def sequence_dim(self) -> int:
+        return 3 - self.heads_dim
 
     def head_major(self, t: Tensor) -> Tensor:
         """``t`` as (batch, heads, seq, head_dim): itself, or a transposed view of it (no copy)."""
@@ -198,6 +239,190 @@ def masking(kwargs: dict) -> tuple[bool, object]:
     return False, mask_mod
 
 
+CONTEXT_PARALLEL_LOAD_BALANCERS = ("headtail", "ptrr", None)
+
+
+def _check_sdpa_load_balancer(load_balancer: str | None, local_len: int) -> None:
+    if load_balancer not in ("headtail", None):
+        raise NotImplementedError(
+            f"max-logit recording: context_parallel_load_balancer = {load_balancer!r} lays the sequence out "
+            "through a FlexAttention BlockMask; SDPA attention under context parallel needs 'headtail' or None"
+        )
+    if load_balancer == "headtail" and local_len % 2:
+        raise ValueError(
+            f"max-logit recording: context_parallel_load_balancer = 'headtail' gives each rank two equal chunks, "
+            f"but a rank holds {local_len} tokens"
+        )
+
+
+def sharded_sequence_positions(load_balancer: str | None, world: int, local_len: int, device: torch.device | str = "cpu") -> Tensor:
+    """(world·local_len,) global token positions of ranks 0, 1, ... of a context-parallel group in
+    turn, each holding ``local_len`` tokens as ``load_balancer`` cut them (:class:`ContextParallelSequence`)."""
+    _check_sdpa_load_balancer(load_balancer, local_len)
+    if load_balancer is None:
+        return torch.arange(world * local_len, device=device)
+    chunk = local_len // 2
+    ranks = torch.arange(world, device=device)[:, None]
+    offsets = torch.arange(chunk, device=device)[None, :]
+    head, tail = ranks * chunk + offsets, (2 * world - 1 - ranks) * chunk + offsets
+    return torch.cat([head, tail], dim=1).reshape(-1)
+
+
+def gathered_key_positions(load_balancer: str | None, world: int, local_len: int, device: torch.device | str = "cpu") -> Tensor:
+    """(world·local_len,) global positions of the keys :meth:`ContextParallelSequence.gather_keys`
+    returns, in its order: every rank's slice in rank order (no load balancer), or, head-tail,
+    every rank's tail chunk (chunks 2W-1, 2W-2, ..., W) then every rank's head chunk (0, 1, ..., W-1)."""
+    positions = sharded_sequence_positions(load_balancer, world, local_len, device)
+    if load_balancer is None:
+        return positions
+    halves = positions.view(world, 2, local_len // 2)
+    return torch.cat([halves[:, 1].reshape(-1), halves[:, 0].reshape(-1)])
+
+
+@dataclass(frozen=True)
+class CausalKeyRange:
+    """A stretch of a rank's queries, ``[query_start, query_stop)``, and the contiguous stretch of
+    the gathered keys, ``[key_start, key_stop)``, holding every key they may attend to causally.
+    Only the keys ``[mask_start, mask_stop)`` of it (relative to ``key_start``: the queries' own
+    chunk) can lie after one of those queries; every other key precedes them all."""
+
+    query_start: int
+    query_stop: int
+    key_start: int
+    key_stop: int
+    mask_start: int
+    mask_stop: int
+
+
+def causal_key_ranges(load_balancer: str | None, world: int, rank: int, local_len: int) -> list[CausalKeyRange]:
+    """Each stretch of ``rank``'s queries with the stretch of the gathered keys (in
+    :func:`gathered_key_positions` order) it may see, so that no key after them is ever multiplied.
+
+    Head-tail: head chunk r sees head chunks 0..r (the first r+1 of the head half, its own last);
+    tail chunk 2W-1-r sees its own and the later ranks' tail chunks (earlier chunks), then the
+    whole head half, which follow each other in the gathered order (its own first). Contiguous
+    slices: rank r sees slices 0..r (its own last).
+    """
+    _check_sdpa_load_balancer(load_balancer, local_len)
+    if load_balancer is None:
+        return [CausalKeyRange(0, local_len, 0, (rank + 1) * local_len, rank * local_len, (rank + 1) * local_len)]
+    chunk = local_len // 2
+    head_half = world * chunk  # where the head chunks start in the gathered order
+    return [
+        CausalKeyRange(0, chunk, head_half, head_half + (rank + 1) * chunk, rank * chunk, (rank + 1) * chunk),
+        CausalKeyRange(chunk, local_len, rank * chunk, 2 * head_half, 0, chunk),
+    ]
+
+
+@dataclass(frozen=True)
+class ContextParallelSequence:
+    """How context parallel cut every sequence over ``group``, as torchtitan 0.2.2 does it.
+
+    ``load_balancer`` is torchtitan's ``[parallelism] context_parallel_load_balancer``:
+
+    * ``"headtail"`` (its default for SDPA): the sequence is cut into 2·W equal chunks and rank r
+      holds chunk r followed by chunk 2·W-1-r (so every rank gets as much of the causal triangle);
+    * ``None``: rank r holds the r-th of W equal contiguous slices;
+    * ``"ptrr"`` (FlexAttention only): the layout is carried by the sharded ``BlockMask``, and
+      torch's context-parallel hook hands attention every rank's keys already: nothing to do here.
+
+    Under SDPA each rank's attention sees its own queries and keys only; the recorder gathers
+    every rank's keys (:meth:`gather_keys`) and, causal, takes each stretch of its queries against
+    the stretch of keys before it (:func:`causal_key_ranges`), masked by global positions.
+    """
+
+    group: dist.ProcessGroup | None
+    load_balancer: str | None = "headtail"
+
+    def __post_init__(self):
+        if self.load_balancer not in CONTEXT_PARALLEL_LOAD_BALANCERS:
+            raise ValueError(
+                f"max-logit recording: [parallelism] context_parallel_load_balancer = {self.load_balancer!r} is not one of "
+                f"{CONTEXT_PARALLEL_LOAD_BALANCERS}"
+            )
+
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size(self.group)
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank(self.group)
+
+    def gather_keys(self, k: Tensor) -> Tensor:
+        """Every rank's keys as a (B, Hk, W·L, D) view of one buffer, in :func:`gathered_key_positions`
+        order. ``k`` (B, Hk, L, D) goes out sequence-major, so each rank's part lands contiguous and
+        the sequence stays one strided dimension (the block matmuls read it in place). One all-gather,
+        two for head-tail (the tail chunks, then the head chunks)."""
+        local = k.detach().permute(2, 0, 1, 3).contiguous()  # (L, B, Hk, D)
+        world, local_len = self.world_size, local.shape[0]
+        gathered = local.new_empty((world * local_len, *local.shape[1:]))
+        if self.load_balancer == "headtail":
+            chunk = local_len // 2
+            dist.all_gather_single(gathered[: world * chunk], local[chunk:], group=self.group)
+            dist.all_gather_single(gathered[world * chunk :], local[:chunk], group=self.group)
+        else:
+            dist.all_gather_single(gathered, local, group=self.group)
+        return gathered.permute(1, 2, 0, 3)
+
+
+def context_parallel_max_logits(
+    cp: ContextParallelSequence,
+    q: Tensor,
+    k: Tensor,
+    scale: float | None = None,
+    *,
+    is_causal: bool = True,
+    mask_mod=None,
+    block_bytes: int | None = None,
+    name: str = "attention",
+) -> Tensor:
+    """:func:`block_max_logits` of this rank's queries against the whole sequence's keys, under
+    context parallel ``cp``; q, k as (B, H, L, D), this rank's slice of the sequence (FlexAttention:
+    k already gathered by torch's context-parallel hook). ``name`` (the layer's) goes into errors.
+
+    Every check comes before the all-gather and depends only on shapes and configuration, which
+    every rank of the group shares: an error is raised on all of them, and none is left waiting.
+    """
+    q_len, k_len = q.shape[2], k.shape[2]
+    record = partial(block_max_logits, scale=scale, block_bytes=block_bytes)
+    if mask_mod is not None:  # FlexAttention: torch's CP hook already gathered the keys, the BlockMask maps positions
+        if k_len != cp.world_size * q_len:
+            raise NotImplementedError(
+                f"max-logit recording: FlexAttention in {name!r} under context parallel got {k_len} keys for "
+                f"{q_len} queries; torch's context-parallel hook should have gathered all {cp.world_size * q_len}"
+            )
+        return record(q, k, is_causal=False, mask_mod=mask_mod)
+    if k_len != q_len:
+        raise NotImplementedError(
+            f"max-logit recording: SDPA in {name!r} under context parallel got {q_len} queries and {k_len} keys; "
+            "expected this rank's slice of both"
+        )
+    if not is_causal:
+        return record(q, cp.gather_keys(k), is_causal=False)
+    world, rank = cp.world_size, cp.rank
+    ranges = causal_key_ranges(cp.load_balancer, world, rank, q_len)
+    query_positions = sharded_sequence_positions(cp.load_balancer, world, q_len, q.device)[rank * q_len : (rank + 1) * q_len]
+    key_positions = gathered_key_positions(cp.load_balancer, world, q_len, q.device)
+    keys = cp.gather_keys(k)
+    # One call per stretch of queries (two under head-tail), each over only the keys it may see.
+    maxima = [
+        record(
+            q[:, :, part.query_start : part.query_stop],
+            keys[:, :, part.key_start : part.key_stop],
+            query_positions=query_positions[part.query_start : part.query_stop],
+            key_positions=key_positions[part.key_start : part.key_stop],
+            masked_keys=(part.mask_start, part.mask_stop),
+        )
+        for part in ranges
+    ]
+    return torch.stack(maxima).amax(dim=0)
+
+
+def _shards_dim(t: DTensor, dim: int) -> bool:
+    return any(isinstance(p, (Shard, _StridedShard)) and p.dim == dim for p in t.placements)
+
+
 def _per_head_matmul(q: Tensor) -> bool:
     """On CPU, oneDNN's batched bf16/fp16 matmul copies strided operands (measured: the key block
     of every call, and 7x slower than per-head); its 2-D GEMM reads them in place. fp32/fp64
@@ -236,36 +461,23 @@ def _rows_placement(placement, dim: int):
     return Shard(0) if isinstance(placement, Shard) and placement.dim == dim else Replicate()
 
 
-def query_projection(attention: nn.Module) -> nn.Linear:
-    """The linear layer whose output rows are the query heads, and only them.
-
-    MLA: ``wq`` (``wq_b`` with a q LoRA); GQA: ``wq`` (torchtitan 0.3.0: ``qkv_linear.wq``).
-    torchtitan 0.3.0's fused ``qkv_linear.wqkv`` has no such layer: its query rows are
-    interleaved with key and value rows (:mod:`titan_muon.fused_qkv` knows where they are).
-    """
-    if getattr(attention, "q_lora_rank", 0):
-        return attention.wq_b
-    if fused_qkv_layout(attention) is not None:
-        raise ValueError(
-            f"{type(attention).__name__} fuses q, k and v into qkv_linear.wqkv, whose query rows are interleaved "
-            "with key and value rows per KV group: use titan_muon.fused_qkv.fused_qkv_layout for their positions"
-        )
-    return projection_owner(attention).wq
+def as_attention_layer(attention: nn.Module | AttentionLayer) -> AttentionLayer:
+    return attention if isinstance(attention, AttentionLayer) else describe_attention(attention)
 
 
-def query_row_units(attention: nn.Module) -> tuple[Tensor, int, int]:
+def query_row_units(attention: nn.Module | AttentionLayer) -> tuple[Tensor, int, int]:
     """``(weight, rows per unit, query heads per unit)``: the weight whose rows say which query
     heads a rank computes, cut into units of whole heads. A unit is one query head of the query
     projection, or for torchtitan 0.3.0's fused ``qkv_linear.wqkv`` one KV group (its query heads,
     its key head and its value head: tensor parallel shards wqkv by whole groups)."""
-    layout = fused_qkv_layout(attention)
-    if layout is not None:
-        return projection_owner(attention).wqkv.weight, layout.rows // layout.n_kv_heads, layout.heads_per_kv
-    weight = query_projection(attention).weight
-    return weight, weight.shape[0] // int(attention.n_heads), 1
+    layer = as_attention_layer(attention)
+    weight = layer.query_projection.weight
+    if layer.kind == "fused_wqkv":
+        return weight, layer.fused_layout.rows // layer.n_kv_heads, layer.heads_per_kv
+    return weight, weight.shape[0] // layer.n_heads, 1
 
 
-def first_local_head(attention: nn.Module, local_heads: int) -> int:
+def first_local_head(attention: nn.Module | AttentionLayer, local_heads: int) -> int:
     """Global index of the first query head this rank computes (tensor parallel: not 0).
 
     Read from the global rows of the query projection's (or fused wqkv's) weight as it is
@@ -356,8 +568,9 @@ def fused_kernel_class(inner_attention: nn.Module) -> type | None:
 class MaxLogitRecorder:
     """Running max pre-softmax logit per (layer, query head), fed by forward pre-hooks.
 
-    ``layers`` are attention modules with an ``inner_attention`` child and an ``n_heads``
-    attribute (torchtitan's llama3/llama4/qwen3 GQA and deepseek_v3 MLA attention).
+    ``layers`` are attention modules (with an ``inner_attention`` child: torchtitan's llama3,
+    llama4, qwen3 GQA and deepseek_v3 MLA attention) or their :class:`AttentionLayer` descriptions
+    (:func:`titan_muon.attention_layers.find_attention_layers`).
     ``max_logits`` is a (layers, max heads) fp32 tensor on the layers' parameter device,
     -inf where nothing was recorded. Nothing here reads a tensor on the host.
 
@@ -365,13 +578,25 @@ class MaxLogitRecorder:
     max score (:class:`FlexKernelTap`), which costs one (B, Hq, Lq) fp32 output instead of a
     second QKᵀ. None (default): on CUDA, where torch 2.13's kernel offers it; True: wherever the
     layer's attention is FlexAttention (it raises otherwise); False: never.
+
+    ``context_parallel``: how context parallel cut the sequence (:class:`ContextParallelSequence`);
+    each rank then records its own queries against the whole sequence's keys.
     """
 
-    def __init__(self, layers: list[nn.Module], block_bytes: int | None = None, fused: bool | None = None):
+    def __init__(
+        self,
+        layers: Sequence[nn.Module | AttentionLayer],
+        block_bytes: int | None = None,
+        fused: bool | None = None,
+        context_parallel: ContextParallelSequence | None = None,
+    ):
         if not layers:
             raise ValueError("MaxLogitRecorder: no attention layers to record")
-        self.layers = layers
-        self.heads = [int(layer.n_heads) for layer in layers]
+        self.context_parallel = context_parallel
+        self.attention_layers = [as_attention_layer(layer) for layer in layers]
+        self.layers = [layer.module for layer in self.attention_layers]
+        layers = self.layers
+        self.heads = [layer.n_heads for layer in self.attention_layers]
         self.block_bytes = block_bytes
         self.fused = fused
         self.max_logits = torch.full((len(layers), max(self.heads)), -math.inf, device=parameter_device(layers[0]))
@@ -391,10 +616,10 @@ class MaxLogitRecorder:
             raise
 
     @classmethod
-    def attach(cls, model: nn.Module, block_bytes: int | None = None, fused: bool | None = None) -> MaxLogitRecorder:
-        from titan_muon.clip import find_attention_layers
-
-        return cls([layer.module for layer in find_attention_layers(model)], block_bytes, fused)
+    def attach(
+        cls, model: nn.Module, block_bytes: int | None = None, fused: bool | None = None, context_parallel: ContextParallelSequence | None = None
+    ) -> MaxLogitRecorder:
+        return cls(find_attention_layers(model), block_bytes, fused, context_parallel)
 
     @staticmethod
     def _check_supported(layer: nn.Module) -> None:
@@ -421,28 +646,43 @@ class MaxLogitRecorder:
         return tap
 
     def _hooks_for(self, index: int, tap: FlexKernelTap | None):
-        attention = self.layers[index]
-        layout = input_layout(attention.inner_attention)
+        attention = self.attention_layers[index]
+        layout = input_layout(attention.module.inner_attention)
         pending = []  # the inputs of a fused call, until the kernel has answered
 
         def inputs(args, kwargs) -> tuple[Tensor, Tensor, int]:
             q = args[0] if args else kwargs[layout.q_name]
             k = args[1] if len(args) > 1 else kwargs[layout.k_name]
-            if isinstance(q, DTensor):  # heads sharded as a DTensor: its placement says which
-                return q.to_local(), k.to_local(), held_rows(q, layout.heads_dim)[0]
-            return q, k, first_local_head(attention, q.shape[layout.heads_dim])
+            if not isinstance(q, DTensor):
+                return q, k, first_local_head(attention, q.shape[layout.heads_dim])
+            # torch's context parallel hands SDPA DTensors sharded along the sequence; tensor
+            # parallel (torchtitan 0.3.0) DTensors sharded along the heads, whose placement says which.
+            if self.context_parallel is None and _shards_dim(q, layout.sequence_dim):
+                raise NotImplementedError(
+                    f"max-logit recording: {attention.name!r} gets q and k sharded along the sequence (context parallel), "
+                    "but the recorder was built without context_parallel=ContextParallelSequence(cp group, load balancer): "
+                    "it would miss every query/key pair across ranks"
+                )
+            local_q = q.to_local()
+            if _shards_dim(q, layout.heads_dim):
+                first_head = held_rows(q, layout.heads_dim)[0]
+            else:
+                first_head = first_local_head(attention, local_q.shape[layout.heads_dim])
+            return local_q, k.to_local(), first_head
 
         def record_blocks(q: Tensor, k: Tensor, first_head: int, kwargs: dict) -> None:
             is_causal, mask_mod = masking(kwargs)
+            q, k = layout.head_major(q), layout.head_major(k)
             with torch.no_grad():
-                observed = block_max_logits(
-                    layout.head_major(q),
-                    layout.head_major(k),
-                    kwargs.get("scale"),
-                    is_causal=is_causal,
-                    mask_mod=mask_mod,
-                    block_bytes=self.block_bytes,
-                )
+                if self.context_parallel is not None:
+                    observed = context_parallel_max_logits(
+                        self.context_parallel, q, k, kwargs.get("scale"), is_causal=is_causal, mask_mod=mask_mod,
+                        block_bytes=self.block_bytes, name=attention.name,
+                    )  # fmt: skip
+                else:
+                    observed = block_max_logits(
+                        q, k, kwargs.get("scale"), is_causal=is_causal, mask_mod=mask_mod, block_bytes=self.block_bytes
+                    )
                 self._update(index, first_head, observed)
 
         def pre_hook(module, args, kwargs):

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from titan_muon.commit import adamw_step_device
+from titan_muon.commit import adamw_step_device, new_adamw_state
+from titan_muon.demo_step import replica_keys
 from titan_muon.owner_state import blocks_to_shards, shards_to_blocks
 from titan_muon.settings import GROUP_KEYS
 from titan_muon.transport import uncounted
@@ -27,31 +28,85 @@ class _PassedThrough:
     value: dict
 
 
+def create_state(opt) -> None:
+    """Create every parameter's state at once, identically on every rank (DCP needs equal keys
+    before the first save): AdamW's moments, Muon momentum on this rank's blocks or, where the
+    owners hold it, placeholders here and whole-matrix blocks on the owners."""
+    for group in opt.param_groups:
+        if not group["use_muon"]:
+            for p in group["params"]:
+                if not opt.state[p]:
+                    opt.state[p].update(new_adamw_state(p, opt.adamw_implementation))
+    for entry in opt.muon_params:
+        state = opt.state[entry.param]
+        if entry.momentum_on_owner:
+            for key, value in opt.storage.placeholders(opt.device).items():
+                state.setdefault(key, value)
+        elif not state:
+            state.update(opt.storage.create(entry.param))
+    for s, engine in enumerate(opt.engines):
+        if engine.owners_hold_momentum:
+            for u in engine.owned_units():
+                if (s, u) not in opt.owner_blocks:
+                    opt.owner_blocks[(s, u)] = opt.storage.create_block(engine.units[u].rows, engine.units[u].cols, opt.device)
+
+
 def state_dict(opt, state_dict: dict) -> dict:
     """`state_dict` (torch's, of `opt`) with the owners' momentum laid out like the parameters;
     with DeMo, each replica's as its slice of a tensor over the replicas (Replicas.stacked)."""
-    held = [e for e in opt.muon_params if e.momentum_on_owner]
-    if not opt.owner_momentum or not all(e.param in opt.state for e in held):
+    states = owner_momentum_like_params(opt)
+    if states is None:
         return state_dict
+    held = list(states)
+    if opt.replicas is not None:  # a replica-identical key (DeMo's shared momentum) is saved once, like the weights
+        for p in held:
+            for key in replica_keys(opt.storage):
+                states[p][key] = opt.replicas.stacked(states[p][key], p)
+    index_of = {id(p): i for i, p in enumerate(p for g in opt.param_groups for p in g["params"])}
+    for p in held:
+        state_dict["state"][index_of[id(p)]] = states[p]
+    return state_dict
+
+
+def owner_momentum_like_params(opt) -> dict | None:
+    """The owners' momentum as state laid out like each parameter (``storage.create``'s
+    layout, this replica's own with DeMo), by parameter; None before the first step (zeros
+    for a parameter added since). A collective over every rank set: the return trip of the
+    step, carrying state."""
+    held = [e for e in opt.muon_params if e.momentum_on_owner]
+    if not opt.owner_momentum or not any(opt.state.get(e.param) for e in held):
+        return None
     states = {}
     for e in held:
         states[e.param] = opt.storage.create(e.param)
         for key, value in states[e.param].items():
-            if value.ndim == 0:  # a per-parameter counter: every rank has it
+            if value.ndim == 0 and opt.state.get(e.param):  # a per-parameter counter: every rank has it
                 states[e.param][key] = opt.state[e.param][key].clone()
     for s, engine in enumerate(opt.engines):
         if engine.owners_hold_momentum:
             blocks = {u: block for (rank_set, u), block in opt.owner_blocks.items() if rank_set == s}
             with uncounted(engine.outbound, engine.back):
                 blocks_to_shards(opt.storage, opt.muon_params, engine, blocks, states)
-    if opt.replicas is not None:
-        for e in held:
-            for key in opt.storage.tensor_keys:
-                states[e.param][key] = opt.replicas.stacked(states[e.param][key], e.param)
-    index_of = {id(p): i for i, p in enumerate(p for g in opt.param_groups for p in g["params"])}
-    for e in held:
-        state_dict["state"][index_of[id(e.param)]] = states[e.param]
-    return state_dict
+    return states
+
+
+def momentum_back_to_owners(opt, states: dict | None) -> None:
+    """After a new plan (``add_param_group``): hand each owner of the new plan the momentum of
+    its matrices from `states` (:func:`owner_momentum_like_params` under the old plan).
+
+    The owners' blocks are keyed by the plan's units, and a new group shifts the units, the
+    rounds and who owns what: blocks kept under their old keys would feed one matrix's momentum
+    to another. Parameters without saved state (the new group's) start from zero momentum, as
+    their first step would create it. A collective over every rank set."""
+    if states is None or not opt.owner_momentum:
+        return
+    sharded = [e for e in opt.muon_params if e.momentum_on_owner]
+    full = {e.param: states[e.param] if e.param in states else opt.storage.create(e.param) for e in sharded}
+    _send_to_owners(opt, full)
+    for e in sharded:
+        if opt.state.get(e.param):  # the others get theirs in the first step (create_state)
+            placeholders = opt.storage.placeholders(opt.device)
+            opt.state[e.param].update({key: placeholders[key] for key in opt.storage.tensor_keys})
 
 
 def load_state_dict(opt, state_dict: dict, torch_load) -> None:
@@ -88,6 +143,8 @@ def load_state_dict(opt, state_dict: dict, torch_load) -> None:
         for key, value in opt.defaults.items():  # checkpoints written before a setting existed
             if key in GROUP_KEYS:
                 group.setdefault(key, value)
+        if group["use_muon"]:  # a Muon group's "eps" is its ns_eps (before wave 4 it held AdamW's, unused)
+            group["eps"] = group["ns_eps"]
         for p in group["params"]:
             loaded = opt.state.get(p)
             if isinstance(loaded, _PassedThrough):
@@ -112,7 +169,15 @@ def _move_loaded_momentum_to_owners(opt) -> None:
     states = {e.param: dict(opt.state[e.param]) for e in sharded}
     if opt.replicas is not None:  # every replica takes its own slice (checked against the replica count first)
         for e in sharded:
-            states[e.param].update({k: opt.replicas.own_slice(states[e.param][k], e.param, e.name) for k in tensors})
+            states[e.param].update({k: opt.replicas.own_slice(states[e.param][k], e.param, e.name) for k in replica_keys(opt.storage)})
+    _send_to_owners(opt, states)
+    for e in sharded:
+        placeholders = opt.storage.placeholders(opt.device)
+        opt.state[e.param].update({key: placeholders[key] for key in tensors})
+
+
+def _send_to_owners(opt, states: dict) -> None:
+    """Replace the owners' blocks by `states` (every owner-held parameter's, laid out like it)."""
     opt.owner_blocks = {}
     for s, engine in enumerate(opt.engines):
         if engine.owners_hold_momentum:
@@ -120,6 +185,3 @@ def _move_loaded_momentum_to_owners(opt) -> None:
                 blocks = shards_to_blocks(opt.storage, opt.muon_params, engine, states)
             for u, block in blocks.items():
                 opt.owner_blocks[(s, u)] = block
-    for e in sharded:
-        placeholders = opt.storage.placeholders(opt.device)
-        opt.state[e.param].update({key: placeholders[key] for key in tensors})

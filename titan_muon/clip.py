@@ -30,112 +30,58 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from titan_muon.attention_logits import MaxLogitRecorder, held_rows, query_projection
-from titan_muon.fused_qkv import fused_qkv_layout, projection_owner
+from titan_muon.attention_layers import AttentionLayer, find_attention_layers
+from titan_muon.attention_logits import (
+    ContextParallelSequence,
+    MaxLogitRecorder,
+    held_rows,
+)
 from titan_muon.update import local_shard
 
 logger = logging.getLogger(__name__)
 
-_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+def row_factors(layer: AttentionLayer, gamma: Tensor, clipped: Tensor, alpha: float) -> list[tuple[nn.Linear, Tensor]]:
+    """(projection, factor per global output row) pairs that scale head h's logits by gamma[h].
 
-
-@dataclass
-class AttentionLayer:
-    """One attention module and how its heads map onto projection rows."""
-
-    name: str
-    module: nn.Module
-    kind: str  # "gqa" (covers MHA) or "mla"
-    n_heads: int
-
-    def row_factors(self, gamma: Tensor, clipped: Tensor, alpha: float) -> list[tuple[nn.Linear, Tensor]]:
-        """(projection, factor per global output row) pairs that scale head h's logits by gamma[h].
-
-        ``gamma`` is 1 wherever ``clipped`` is False; both are (n_heads,) on the weights' device.
-        """
-        m = self.module
-        if self.kind == "mla":
-            nope, rope, v = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
-            q = torch.cat([gamma[:, None].pow(alpha).expand(-1, nope), gamma[:, None].expand(-1, rope)], dim=1)
-            kv = torch.cat([gamma[:, None].pow(1 - alpha).expand(-1, nope), gamma.new_ones(self.n_heads, v)], dim=1)
-            return [(query_projection(m), q.reshape(-1)), (m.wkv_b, kv.reshape(-1))]
-        groups = gamma.view(m.n_kv_heads, -1)  # (kv heads, q heads per kv head), SDPA enable_gqa order
-        whole_group_clipped = clipped.view(m.n_kv_heads, -1).all(dim=1)
-        k = torch.where(whole_group_clipped, groups.amax(dim=1).pow(1 - alpha), 1.0)
-        q = groups / k[:, None]
-        q_rows, k_rows = q.reshape(-1).repeat_interleave(m.head_dim), k.repeat_interleave(m.head_dim)
-        projections = projection_owner(m)
-        layout = fused_qkv_layout(m)
-        if layout is not None:  # v rows keep factor 1
-            return [(projections.wqkv, layout.fuse(q_rows, k_rows, torch.ones_like(k_rows)))]
-        return [(projections.wq, q_rows), (projections.wk, k_rows)]
-
-
-def _clean_name(name: str) -> str:
-    for prefix in _WRAPPER_PREFIXES:
-        name = name.replace(prefix, "")
-    return name
-
-
-def find_attention_layers(model: nn.Module, *, required: bool = True) -> list[AttentionLayer]:
-    """TorchTitan attention modules of `model`, in model order, named by their FQN.
-
-    GQA/MHA: modules with ``inner_attention``, ``wq``, ``wk``, ``n_heads``, ``n_kv_heads``,
-    ``head_dim`` (llama3, llama4, qwen3 without qk-norm); in torchtitan 0.3.0 the projections
-    sit in ``qkv_linear``, as ``wq``/``wk``/``wv`` or fused into ``wqkv`` (whose q and k rows
-    are found per head from :mod:`titan_muon.fused_qkv`). MLA: ``wkv_b`` and ``wq`` or ``wq_b``
-    (deepseek_v3). Raises on qk-norm, where rescaling the weights cannot change the logits,
-    and (if ``required``) when there is no attention module at all.
-    torchtitan keys ``model.layers`` by the global layer id, so a pipeline stage's names
-    (``layers.7.attention``) are the whole model's.
+    ``gamma`` is 1 wherever ``clipped`` is False; both are (n_heads,) on the weights' device.
     """
-    layers = []
-    for name, module in model.named_modules():
-        if not isinstance(getattr(module, "inner_attention", None), nn.Module):
-            continue
-        name = _clean_name(name)
-        if hasattr(module, "wkv_b"):
-            _check_rows(name, query_projection(module), module.n_heads * (module.qk_nope_head_dim + module.qk_rope_head_dim))
-            _check_rows(name, module.wkv_b, module.n_heads * (module.qk_nope_head_dim + module.v_head_dim))
-            layers.append(AttentionLayer(name, module, "mla", int(module.n_heads)))
-        elif fused_qkv_layout(module) is not None or all(hasattr(projection_owner(module), p) for p in ("wq", "wk")):
-            if getattr(module, "q_norm", None) is not None or getattr(module, "k_norm", None) is not None:
-                raise ValueError(
-                    f"QK-clip: attention {name!r} normalizes q and k per head (qk-norm), which cancels any rescaling "
-                    "of W_q / W_k, so QK-clip cannot bound its logits. qk-norm already keeps logits bounded: "
-                    "disable qk_clip for this model, or build it without qk_norm."
-                )
-            _check_gqa_rows(name, module)
-            layers.append(AttentionLayer(name, module, "gqa", int(module.n_heads)))
-        else:
+    if layer.kind == "mla":
+        nope, rope, v = layer.qk_nope_head_dim, layer.qk_rope_head_dim, layer.v_head_dim
+        q = torch.cat([gamma[:, None].pow(alpha).expand(-1, nope), gamma[:, None].expand(-1, rope)], dim=1)
+        kv = torch.cat([gamma[:, None].pow(1 - alpha).expand(-1, nope), gamma.new_ones(layer.n_heads, v)], dim=1)
+        return [(layer.query_projection, q.reshape(-1)), (layer.key_projection, kv.reshape(-1))]
+    groups = gamma.view(layer.n_kv_heads, -1)  # (kv heads, q heads per kv head), SDPA enable_gqa order
+    whole_group_clipped = clipped.view(layer.n_kv_heads, -1).all(dim=1)
+    k = torch.where(whole_group_clipped, groups.amax(dim=1).pow(1 - alpha), 1.0)
+    q = groups / k[:, None]
+    q_rows, k_rows = q.reshape(-1).repeat_interleave(layer.qk_head_dim), k.repeat_interleave(layer.qk_head_dim)
+    if layer.kind == "fused_wqkv":  # v rows keep factor 1
+        return [(layer.query_projection, layer.fused_layout.fuse(q_rows, k_rows, torch.ones_like(k_rows)))]
+    return [(layer.query_projection, q_rows), (layer.key_projection, k_rows)]
+
+
+def qk_clip_layers(model: nn.Module, *, required: bool = True) -> list[AttentionLayer]:
+    """The attention layers of `model` (:func:`titan_muon.attention_layers.find_attention_layers`) QK-clip acts on.
+
+    Raises on qk-norm, where rescaling the weights cannot change the logits, and (if
+    ``required``) when there is no attention module at all.
+    """
+    layers = find_attention_layers(model)
+    for layer in layers:
+        if layer.has_qk_norm:
             raise ValueError(
-                f"QK-clip: attention {name!r} ({type(module).__name__}) is neither GQA (wq and wk, or torchtitan 0.3.0's "
-                "qkv_linear) nor MLA (wkv_b)"
+                f"QK-clip: attention {layer.name!r} normalizes q and k per head (qk-norm), which cancels any rescaling "
+                "of W_q / W_k, so QK-clip cannot bound its logits. qk-norm already keeps logits bounded: "
+                "disable qk_clip for this model, or build it without qk_norm."
             )
     if required and not layers:
         raise ValueError(f"QK-clip: no attention module with an `inner_attention` child in {type(model).__name__}")
     return layers
-
-
-def _check_gqa_rows(name: str, attention: nn.Module) -> None:
-    projections = projection_owner(attention)
-    layout = fused_qkv_layout(attention)
-    if layout is not None:
-        _check_rows(name, projections.wqkv, layout.rows)
-        return
-    _check_rows(name, projections.wq, attention.n_heads * attention.head_dim)
-    _check_rows(name, projections.wk, attention.n_kv_heads * attention.head_dim)
-
-
-def _check_rows(name: str, linear: nn.Linear, expected: int) -> None:
-    if linear.weight.shape[0] != expected:  # a DTensor's shape is the global one
-        raise ValueError(f"QK-clip: {name} has {linear.weight.shape[0]} projection rows, expected {expected}")
 
 
 def scale_rows(t: Tensor, factors: Tensor) -> None:
@@ -168,7 +114,7 @@ def apply_qk_clip(
     gamma = torch.where(clipped, tau / s, 1.0)
     with torch.no_grad():
         for i, layer in enumerate(layers):
-            for linear, factors in layer.row_factors(gamma[i, : layer.n_heads], clipped[i, : layer.n_heads], alpha):
+            for linear, factors in row_factors(layer, gamma[i, : layer.n_heads], clipped[i, : layer.n_heads], alpha):
                 for t in (linear.weight, linear.bias):  # a bias is part of q (or k) too
                     if t is not None:
                         scale_rows(t, factors)
@@ -245,6 +191,11 @@ class QKClip:
     whose product they are (e.g. a pipeline stage's data-parallel and tensor-parallel mesh
     dimensions: one MAX all-reduce each), or None for the world. The step adds no host sync:
     ``metrics`` holds device tensors until read.
+
+    Context parallel: ``context_parallel`` says how the sequence is cut over the CP group
+    (:class:`~titan_muon.attention_logits.ContextParallelSequence`); each rank records its
+    queries against the whole sequence's keys, and ``group`` must include the CP ranks (every
+    rank of a CP group holds the same layers).
     """
 
     def __init__(
@@ -255,11 +206,12 @@ class QKClip:
         group: dist.ProcessGroup | Sequence[dist.ProcessGroup] | None = None,
         block_bytes: int | None = None,
         fused: bool | None = None,
+        context_parallel: ContextParallelSequence | None = None,
     ):
         _check_hyperparameters(tau, alpha)
         self.tau, self.alpha, self.group = float(tau), float(alpha), group
-        self.layers = find_attention_layers(model)
-        self.recorder = MaxLogitRecorder([layer.module for layer in self.layers], block_bytes, fused)
+        self.layers = qk_clip_layers(model)
+        self.recorder = MaxLogitRecorder(self.layers, block_bytes, fused, context_parallel)
 
     def reduce_and_clip(
         self, optimizer: torch.optim.Optimizer | None = None, *, lr: float | Tensor | None = None
@@ -311,6 +263,7 @@ def build_qk_clips(
     block_bytes: int | None = None,
     fused: bool | None = None,
     allow_parts_without_attention: bool = False,
+    context_parallel: ContextParallelSequence | None = None,
 ) -> list[QKClip | None]:
     """One :class:`QKClip` per model part, ``None`` for a part without attention layers.
 
@@ -321,8 +274,8 @@ def build_qk_clips(
     """
     clips: list[QKClip | None] = []
     for index, part in enumerate(model_parts):
-        if find_attention_layers(part, required=not allow_parts_without_attention):
-            clips.append(QKClip(part, tau, alpha, group, block_bytes, fused))
+        if qk_clip_layers(part, required=not allow_parts_without_attention):
+            clips.append(QKClip(part, tau, alpha, group, block_bytes, fused, context_parallel))
         else:
             logger.warning("QK-clip: model part %d (%s) has no attention layer: nothing to clip in it", index, type(part).__name__)
             clips.append(None)

@@ -7,7 +7,9 @@ Per step, on the owner of a whole matrix in each replica (docs/demo.md):
     M ← M − α·decode(idx, val)                 subtract_sent_   (the buffer is the error feedback)
     ... all-gather (idx, val) across replicas (integration, not here) ...
     q = mean over replicas of decode(idx_r, val_r)   average_decoded
-    then Muon orthogonalizes q and applies the update as usual.
+    S ← μ·S + (1 − μ)·q; input = (1 − μ)·q + μ·S    shared_momentum_input_  (optional, issue 27:
+        a momentum over what was synchronized, the same on every replica; S alone without Nesterov)
+    then Muon orthogonalizes the input (q without the shared momentum) and applies the update.
 
 Chunks tile the WHOLE matrix in s×s blocks from the top-left corner; when rows or cols are not
 multiples of s the last block row/column is narrower (edge chunks), with a DCT basis of the edge
@@ -35,7 +37,10 @@ from torch import Tensor
 
 DEFAULT_CHUNK = 64  # the paper's default chunk size for matrices (64×64)
 DEFAULT_TOPK = 8  # paper's range k = 2–16 per 64×64 chunk; k = 8 was its 300M run (85× less traffic)
-DEFAULT_ALPHA = 0.2  # paper's ablation: α = 0.2 better than full subtraction (α = 1); α = 0 degrades
+# α = 1 (the reference code's: the local buffer is pure error feedback), measured better than the
+# paper's α = 0.2 once a shared momentum runs over the synchronized average (issue 27, docs/demo.md).
+DEFAULT_ALPHA = 1.0
+DEFAULT_SHARED_MOMENTUM = True
 
 
 @dataclass(frozen=True)
@@ -265,6 +270,15 @@ def accumulate_momentum_(momentum: Tensor, grad: Tensor, beta: float) -> Tensor:
 def subtract_sent_(momentum: Tensor, decoded: Tensor, alpha: float) -> Tensor:
     """In place: M ← M − α·decoded, the error feedback (what was not sent stays in M)."""
     return momentum.sub_(decoded, alpha=alpha)
+
+
+def shared_momentum_input_(shared: Tensor, average: Tensor, mu: float, nesterov: bool) -> Tensor:
+    """In place S ← μ·S + (1 − μ)·q over the replicas' average q (every replica holds the same
+    S and q, so the same bits of S); returns what Newton–Schulz orthogonalizes: the Nesterov
+    input (1 − μ)·q + μ·S with `nesterov`, else S itself. The same momentum and Nesterov
+    formulas as Muon's on full gradients, with q in place of the gradient."""
+    shared.lerp_(average, 1.0 - mu)
+    return average.lerp(shared, mu) if nesterov else shared
 
 
 def local_step_(

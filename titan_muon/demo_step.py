@@ -9,8 +9,11 @@ round and per batch of equal-shape matrices (:meth:`Replicas.round_inputs`):
     M ← βM + g; payload = top-k of chunk DCTs of M; M ← M − α·decode(payload)   demo.local_step_
     one all-gather of the round's payloads over the replicate group
     q = mean over replicas of decode(payload_r)                                   demo.average_decoded
+    S ← μS + (1 − μ)q; input = (1 − μ)q + μS (Nesterov) or S     demo.shared_momentum_input_
 
-q goes on to Newton–Schulz, and the update back through the exchange's return trip. The plan
+(the shared momentum S, with ``demo_shared_momentum``, is the same on every replica and kept
+on the owners next to the replica's own buffer M, under the state key ``SHARED_MOMENTUM_KEY``).
+The input goes on to Newton–Schulz, and the update back through the exchange's return trip. The plan
 is the same in every replica, so the owner of a matrix sits at the same place in each, and the
 replicate group (the ranks at one place) is exactly that matrix's owners. The new momentum is
 staged and swapped in at the commit, like every other state change.
@@ -37,11 +40,14 @@ from titan_muon import demo
 from titan_muon.commit import staged_state
 from titan_muon.exchange import ExchangeEngine
 from titan_muon.redistribute import Batch
+from titan_muon.state import Fp32Storage
 from titan_muon.transport import Transport
 from titan_muon.update import local_shard
 
 # The paper found larger β clearly better with its error feedback (0.995–0.999; it used 0.999).
 SMALL_BETA_WARNING = 0.99
+# The owners' state key of the shared momentum: replica-identical, so saved once (not per replica).
+SHARED_MOMENTUM_KEY = "demo_shared_momentum"
 
 
 @dataclass(frozen=True)
@@ -49,9 +55,11 @@ class DemoSettings:
     chunk: int = demo.DEFAULT_CHUNK
     topk: int = demo.DEFAULT_TOPK
     alpha: float = demo.DEFAULT_ALPHA
+    shared_momentum: bool = demo.DEFAULT_SHARED_MOMENTUM
 
 
-def demo_settings(enabled, chunk, topk, alpha, replicate_group, *, momentum_dtype: str, overlap: bool) -> DemoSettings | None:
+def demo_settings(enabled, chunk, topk, alpha, replicate_group, *, momentum_dtype: str, overlap: bool,
+                  shared_momentum: bool = demo.DEFAULT_SHARED_MOMENTUM) -> DemoSettings | None:  # fmt: skip
     """The settings of ``Muon(demo=...)``, or None when off; ValueError naming the option otherwise."""
     if not isinstance(enabled, bool):
         raise ValueError(f"titan_muon.Muon: demo must be True or False, got {enabled!r}")  # noqa: TRY004 - a bad option value
@@ -59,6 +67,8 @@ def demo_settings(enabled, chunk, topk, alpha, replicate_group, *, momentum_dtyp
         if replicate_group is not None:
             raise ValueError("titan_muon.Muon: replicate_group is only used with demo=True (DeMo owns the replicate dimension)")
         return None
+    if not isinstance(shared_momentum, bool):
+        raise ValueError(f"titan_muon.Muon: demo_shared_momentum must be True or False, got {shared_momentum!r}")  # noqa: TRY004
     try:
         demo.validate_settings(chunk, topk, alpha)
     except ValueError as error:
@@ -77,19 +87,46 @@ def demo_settings(enabled, chunk, topk, alpha, replicate_group, *, momentum_dtyp
         )
     if overlap:
         raise ValueError("titan_muon.Muon: demo=True does not support overlap=True yet (gradients are sent in step())")
-    return DemoSettings(chunk, topk, float(alpha))
+    return DemoSettings(chunk, topk, float(alpha), shared_momentum)
 
 
-def check_groups(param_groups: list[dict]) -> None:
-    """Per Muon group: no Nesterov (DeMo orthogonalizes the replicas' average as it is), β in
-    [0, 1), and a warning when β is below the range the paper found to work."""
+class SharedMomentumStorage(Fp32Storage):
+    """fp32 momentum plus DeMo's shared momentum (``SHARED_MOMENTUM_KEY``), both laid out like the
+    parameter and moved between owners and shards together. ``load``/``store`` are the replica's
+    own buffer's (Fp32Storage's); the shared one is staged by :meth:`Replicas.round_inputs`."""
+
+    keys = ("momentum_buffer", SHARED_MOMENTUM_KEY)
+    replica_keys = ("momentum_buffer",)  # different in every replica: saved per replica (Replicas.stacked)
+
+    def _zeros(self, cols, zeros_with_rows):
+        return {"momentum_buffer": zeros_with_rows(cols, torch.float32), SHARED_MOMENTUM_KEY: zeros_with_rows(cols, torch.float32)}
+
+    def bytes_per_element(self, rows, cols):
+        return 8.0
+
+
+def demo_storage(settings: DemoSettings):
+    """The momentum storage of a DeMo optimizer (fp32 only, demo_settings checked that)."""
+    return SharedMomentumStorage() if settings.shared_momentum else Fp32Storage()
+
+
+def replica_keys(storage) -> tuple[str, ...]:
+    """The state keys that differ between replicas (saved per replica); the others are the same in all."""
+    return getattr(storage, "replica_keys", storage.tensor_keys)
+
+
+def check_groups(param_groups: list[dict], settings: DemoSettings) -> None:
+    """Per Muon group. Without the shared momentum: no Nesterov (DeMo then orthogonalizes the
+    replicas' average as it is) and a warning when β is below the range the paper found to work.
+    With it, the group's momentum and nesterov are the shared momentum's (and the local buffer's β)."""
     for index, group in enumerate(param_groups):
-        if not group["use_muon"]:
+        if not group["use_muon"] or settings.shared_momentum:
             continue
         if group["nesterov"]:
             raise ValueError(
-                f"titan_muon.Muon: param group {index}: nesterov=True is not part of DeMo (it orthogonalizes the "
-                "average of what the replicas sent); pass nesterov=False with demo=True"
+                f"titan_muon.Muon: param group {index}: nesterov=True with demo=True needs demo_shared_momentum=True "
+                "(Nesterov runs on the shared momentum); without it DeMo orthogonalizes the average of what the "
+                "replicas sent as it is: pass nesterov=False or demo_shared_momentum=True"
             )
         if group["momentum"] < SMALL_BETA_WARNING:
             warnings.warn(
@@ -116,7 +153,7 @@ class Replicas:
         """Every replica has the same plan and settings and starts from the same parameters (one
         all-reduce each, read once): a replica that differs would silently drift away."""
         s = self.settings
-        self.transport.check_same_everywhere(hash((plan_fingerprint, s.chunk, s.topk, s.alpha)) & (2**62 - 1), "the DeMo plan or settings")
+        self.transport.check_same_everywhere(hash((plan_fingerprint, s.chunk, s.topk, s.alpha, s.shared_momentum)) & (2**62 - 1), "the DeMo plan or settings")
         tensors = [local_shard(p) for p in params]
         if not tensors or any(t.device.type == "meta" for t in tensors):
             return
@@ -152,7 +189,7 @@ class Replicas:
         if not engine.tables[r].owned:  # nor does this place in any replica: no exchange
             return []
         try:
-            values, indices = [], []
+            values, indices, groups = [], [], []
             for batch in batches:
                 units = [engine.units[u] for u in batch.units]
                 group = params[units[0].param].group
@@ -164,6 +201,7 @@ class Replicas:
                         state = owner_blocks[(s, u)]
                         first_row = unit.matrix * entry.param.shape[-2] + unit.row_start
                         work.staged.append((state, staged_state(storage, state, new, unit.param, first_row, work.memory)))
+                groups.append(group)
                 values.append(v)
                 indices.append(i)
             send = self._pack(values, indices, self._row_bytes(engine, r))
@@ -182,7 +220,24 @@ class Replicas:
             ids = [row[i0 : i0 + index.numel() * index.element_size()].view(index.dtype).view(index.shape) for row in gathered]
             out.append(demo.average_decoded(ids, vs, shape, settings.chunk, settings.topk))
         work.memory.free(sum(row.numel() for row in gathered))
+        if settings.shared_momentum:
+            out = [self._shared_momentum_input(s, engine, batch, q, group, owner_blocks, params, skipped, work)
+                   for batch, q, group in zip(batches, out, groups)]  # fmt: skip
         return out
+
+    @staticmethod
+    def _shared_momentum_input(s: int, engine: ExchangeEngine, batch: Batch, average: Tensor, group: dict, owner_blocks: dict,
+                               params: list, skipped: set[int], work) -> Tensor:  # fmt: skip
+        """Newton–Schulz's input for one batch from the shared momentum over `average` (q), the new
+        shared momentum staged for the commit (a skipped parameter keeps its old one). Runs after a
+        successful exchange only, on bits that are the same in every replica."""
+        shared = torch.stack([owner_blocks[(s, u)][SHARED_MOMENTUM_KEY] for u in batch.units])  # a copy: the old stays
+        work.memory.add(shared.numel() * 4)
+        ns_input = demo.shared_momentum_input_(shared, average, group["momentum"], group["nesterov"])
+        for u, new in zip(batch.units, shared.unbind(0)):
+            if id(params[engine.units[u].param].param) not in skipped:
+                work.staged.append((owner_blocks[(s, u)], {SHARED_MOMENTUM_KEY: new}))
+        return ns_input
 
     def settle(self, s: int, r: int, engine: ExchangeEngine) -> None:
         """Round r's exchange of payloads, with zeros, if this owner did not get to send its own."""

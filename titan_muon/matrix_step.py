@@ -22,7 +22,7 @@ from torch import Tensor
 
 from titan_muon.commit import StepWork, staged_state
 from titan_muon.exchange import ExchangeEngine, StepFailure
-from titan_muon.orthogonalizer import NS_WORKSPACE, Orthogonalizer
+from titan_muon.orthogonalizer import Orthogonalizer
 from titan_muon.params import MuonParam
 from titan_muon.plan import Piece, Unit
 from titan_muon.redistribute import Batch, local_piece
@@ -96,7 +96,7 @@ class MatrixStep:
         results: dict[int, Tensor] = {}
         memory = self.work.memory
         for batch, matrices in zip(batches, self._owner_inputs(s, engine, r, batches, scales)):
-            workspace = int(NS_WORKSPACE[self.newton_schulz.ns_dtype] * matrices.numel() * 4)
+            workspace = self.newton_schulz.workspace_bytes(batch.key, matrices)
             memory.add(workspace)
             out = self.newton_schulz(batch.key, matrices, self.timer, self.work)
             memory.free(workspace)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -26,12 +28,13 @@ def step_metrics(work, timer: StepTimer, engines, skipped_steps: int, early: lis
         "muon/skipped_steps": float(skipped_steps),
         "muon/peak_transient_bytes": float(work.memory.peak),
         "muon/rounds": float(sum(len(engine.tables) for engine in engines)),
-        "muon/momentum_bytes_per_element": momentum_bytes_per_element(momentum, storage.tensor_keys[0]),
+        **momentum_metrics(momentum, storage.tensor_keys[0]),
         **overlap_metrics(early),
         **(replicas.metrics() if replicas is not None else {}),
     }
     if work.update_sq:
         metrics["muon/update_rms"] = (torch.stack(work.update_sq).sum() / work.update_numel).sqrt()
+        metrics["muon/update_elements"] = float(work.update_numel)
     return metrics
 
 
@@ -58,6 +61,67 @@ def state_bytes(states) -> int:
 def momentum_bytes_per_element(states, primary_key: str) -> float:
     """Bytes of Muon momentum this rank holds per momentum element (`primary_key`'s elements):
     4 for fp32, 2 for bf16, ~1.004 for fp8 (codes plus one exponent per 256 columns)."""
+    return momentum_metrics(states, primary_key)["muon/momentum_bytes_per_element"]
+
+
+def momentum_metrics(states, primary_key: str) -> dict[str, float]:
+    """``muon/momentum_bytes_per_element`` (:func:`momentum_bytes_per_element`) and the element
+    count it is per, ``muon/momentum_elements`` (its weight when model parts are merged)."""
     held = [state for state in states if primary_key in state and state[primary_key].ndim > 0]
     elements = sum(local_shard(state[primary_key]).numel() for state in held)
-    return state_bytes(held) / elements if elements else 0.0
+    return {
+        "muon/momentum_bytes_per_element": state_bytes(held) / elements if elements else 0.0,
+        "muon/momentum_elements": float(elements),
+    }
+
+
+# How one figure of several optimizers that step one after another (one per model part, as
+# torchtitan's pipeline schedules with several stages per rank have them) combines into the
+# rank's figure: "sum" for amounts (times, FLOPs, bytes, rounds); "max" for a peak (the parts'
+# transients are freed between them) and for skipped_steps (the parts skip together: the
+# same count in each); ("mean", weight) for a ratio, weighted by the metric counting what it is
+# per; ("rms", weight) for a root mean square, whose squares are weighted.
+PART_MERGE_RULES: dict[str, str | tuple[str, str]] = {
+    "muon/step_time_ms": "sum",
+    "muon/ns_time_ms": "sum",
+    "muon/ns_flops": "sum",
+    "muon/bytes_sent": "sum",
+    "muon/bytes_received": "sum",
+    "muon/bytes_sent_to_owners": "sum",
+    "muon/bytes_sent_in_backward": "sum",
+    "muon/rounds": "sum",
+    "muon/rounds_sent_in_backward": "sum",
+    "muon/update_elements": "sum",
+    "muon/momentum_elements": "sum",
+    "muon/skipped_steps": "max",
+    "muon/peak_transient_bytes": "max",
+    "muon/update_rms": ("rms", "muon/update_elements"),
+    "muon/momentum_bytes_per_element": ("mean", "muon/momentum_elements"),
+    "demo/bytes_sent": "sum",
+    "demo/bytes_dense": "sum",
+    "demo/adamw_bytes_sent": "sum",
+}
+
+
+def merge_part_metrics(per_part: list[dict[str, float]]) -> dict[str, float]:
+    """One rank's figures from its model parts' (:data:`PART_MERGE_RULES`); a part without a
+    figure (no update this step, no backward sends) adds nothing to it."""
+    merged: dict[str, float] = {}
+    for key in dict.fromkeys(k for metrics in per_part for k in metrics):
+        if key not in PART_MERGE_RULES:
+            raise KeyError(f"titan_muon: no rule merges the metric {key!r} over model parts; add it to metrics.PART_MERGE_RULES")
+        rule = PART_MERGE_RULES[key]
+        present = [metrics for metrics in per_part if key in metrics]
+        if rule == "sum":
+            merged[key] = sum(metrics[key] for metrics in present)
+        elif rule == "max":
+            merged[key] = max(metrics[key] for metrics in present)
+        else:
+            kind, weight_key = rule
+            weights = [metrics.get(weight_key, 0.0) for metrics in present]
+            total = sum(weights)
+            if kind == "rms":
+                merged[key] = math.sqrt(sum(w * m[key] ** 2 for w, m in zip(weights, present)) / total) if total else 0.0
+            else:
+                merged[key] = sum(w * m[key] for w, m in zip(weights, present)) / total if total else 0.0
+    return merged

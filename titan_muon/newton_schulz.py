@@ -14,9 +14,17 @@ Inputs are a single matrix (m, n) or a batch (k, m, n) of equal shapes. Tall mat
 transposed so the Gram matrix X Xᵀ is the small side; results are returned in the input's
 orientation and in the compute dtype. Nothing reads tensor values on the host: it runs on any
 device, `meta` included.
+
+Compute dtypes: fp32, bf16, and fp16 — 3 more mantissa bits than bf16, which Gram NS needs
+(docs/newton_schulz.md, "Half-precision Gram NS"); fp16's narrow range is safe because X is
+scaled before it is rounded to fp16 and every intermediate stays far below fp16's maximum
+(half_precision_peak).
 """
 
 from __future__ import annotations
+
+import functools
+from typing import Callable, NamedTuple
 
 import torch
 from torch import Tensor
@@ -36,10 +44,21 @@ POLAR_EXPRESS_SAFETY = 1.01
 
 NS_METHODS = ("keller", "polar_express")
 NS_ALGORITHMS = ("standard", "gram", "auto")
+# Where "auto" may pick Gram NS: bf16's 8 mantissa bits are too few for the squared conditioning
+# of X Xᵀ (resolve_algorithm); fp16's 11 are enough (docs/newton_schulz.md).
+GRAM_DTYPES = (torch.float32, torch.float16)
+# The largest magnitude half_precision_peak allows in an fp16 run: fp16's maximum (65504) over a
+# margin of 64 for rounding errors and for peaks between the sampled singular values.
+FP16_PEAK_LIMIT = torch.finfo(torch.float16).max / 64
 
 # Gram Newton–Schulz: the longest run of steps between restarts (gram_segments), and where
 # "auto" picks it (resolve_algorithm; measured in docs/newton_schulz.md).
 GRAM_MAX_RUN = 3
+# In fp16 the last run must be short too: a 3-step last run (2 + 3) left 14x standard fp16's
+# rounding error, up to 1.9x standard bf16's, on inputs whose column scales span 1e4-1e6; runs of
+# at most 2, longest first (2 + 2 + 1), stay within standard fp16's everywhere measured
+# (docs/newton_schulz.md, "Half-precision Gram NS").
+HALF_GRAM_MAX_RUN = 2
 GRAM_MIN_ASPECT = 2.5
 GRAM_MIN_SIDE = 128
 # From this many rows on, a product known to be symmetric is computed as three half-size blocks
@@ -64,22 +83,33 @@ def coefficient_schedule(method: str | tuple[float, float, float], steps: int) -
     raise ValueError(f"unknown Newton-Schulz method {method!r}; expected one of {NS_METHODS}")
 
 
-def gram_segments(steps: int) -> tuple[int, ...]:
+def gram_segments(steps: int, dtype: torch.dtype = torch.float32) -> tuple[int, ...]:
     """How Gram Newton–Schulz splits `steps` into runs that each start from a fresh Gram matrix.
 
     A run of L steps updates its Gram matrix L − 1 times, and each update multiplies the rounding
     error of its smallest eigenvalues by about a², so runs stay at most GRAM_MAX_RUN = 3 steps
     long (4-step runs blow up in bf16). Shorter runs come first: Polar Express's first step has
     a² = 66.5, and a 3-step first run (two updates after it) blew up on low-rank bf16 inputs.
-    Measured in docs/newton_schulz.md (Restarts).
+    Measured in docs/newton_schulz.md (Restarts). fp32 and bf16: 5 steps → 2 + 3.
+
+    fp16: runs of at most HALF_GRAM_MAX_RUN = 2, longest first: 5 steps → 2 + 2 + 1. A run's
+    accumulated Q spans 1 … Π a over it, and its rounding, at eps·Π a, lands on the directions
+    that have already converged; in the last run most have, and 3 steps there (Π a = 41) cost
+    fp16 its advantage on inputs with a continuum of small singular values (column scales
+    spanning 1e4–1e6). Measured in docs/newton_schulz.md (Half-precision Gram NS).
     """
+    if dtype == torch.float16:
+        count = -(-steps // HALF_GRAM_MAX_RUN)
+        short, extra = divmod(steps, count) if count else (0, 0)
+        return (short + 1,) * extra + (short,) * (count - extra)
     count = -(-steps // GRAM_MAX_RUN)
     short, extra = divmod(steps, count) if count else (0, 0)
     return (short,) * (count - extra) + (short + 1,) * extra
 
 
-def newton_schulz_flops(rows: int, cols: int, steps: int, algorithm: str = "standard") -> int:
-    """Matmul FLOPs of `steps` iterations on one (rows, cols) matrix, m = min side, n = max side.
+def newton_schulz_flops(rows: int, cols: int, steps: int, algorithm: str = "standard", dtype: torch.dtype = torch.float32) -> int:
+    """Matmul FLOPs of `steps` iterations on one (rows, cols) matrix, m = min side, n = max side,
+    in compute dtype `dtype` (which sets Gram NS's runs: gram_segments).
 
     standard: 4m²n + 2m³ per step (X Xᵀ, its square, and the product with X).
     gram: per run of L steps, 4m²n (X Xᵀ, then Q X) plus 2m³·(4L − 3) (per step one square of the
@@ -91,26 +121,127 @@ def newton_schulz_flops(rows: int, cols: int, steps: int, algorithm: str = "stan
         return steps * (4 * m * m * n + 2 * m * m * m)
     if algorithm == "gram":
         square, gram_matrix, apply = _symmetric_flops(m, m), _symmetric_flops(m, n), 2 * m * m * n
-        return sum(gram_matrix + apply + (3 * length - 2) * square + (length - 1) * 2 * m**3 for length in gram_segments(steps))
+        return sum(gram_matrix + apply + (3 * length - 2) * square + (length - 1) * 2 * m**3 for length in gram_segments(steps, dtype))
     raise ValueError(f"newton_schulz_flops needs a resolved algorithm ('standard' or 'gram'), got {algorithm!r}")
 
 
 def resolve_algorithm(rows: int, cols: int, dtype: torch.dtype, device_type: str) -> str:
-    """What algorithm="auto" runs on a (rows, cols) matrix: "gram" where it is both faster and as
-    accurate — in fp32, when the long side is at least GRAM_MIN_ASPECT times the short one and the
-    short side at least GRAM_MIN_SIDE (docs/newton_schulz.md) — and "standard" otherwise.
+    """What algorithm="auto" runs on a (rows, cols) matrix in `dtype`: "gram" where it is both
+    faster and as accurate — in fp32 or fp16, when the long side is at least GRAM_MIN_ASPECT times
+    the short one and the short side at least GRAM_MIN_SIDE (docs/newton_schulz.md) — and
+    "standard" otherwise. The rule is the same on every device type (GPU crossover unmeasured).
 
     Never Gram in bf16: the Gram matrix squares the condition number, and in bf16 its error
     grows with the short side. On inputs whose column scales span 1e4–1e6, bf16 Gram NS let the
     largest singular value reach 1.139 / 1.165 (Keller / Polar Express) where standard bf16 NS
     stays at 1.137 / 1.142 at 512 x 1792 (this CPU, 2026-11-24), and 1.39 / 1.53 against 1.20 /
-    1.14 at 2048-wide inputs (the review of issue 19). ``scripts/gpu_check.sh`` measures it at
-    Llama-3 and DeepSeek-V3 shapes on a GPU.
+    1.14 at 2048-wide inputs (the review of issue 19). fp16 Gram NS (3 more mantissa bits) stays
+    within standard bf16 NS's error on the stress set of scripts/ns_accuracy.py.
     """
     short, long = min(rows, cols), max(rows, cols)
-    if dtype != torch.float32:
+    if dtype not in GRAM_DTYPES:
         return "standard"
     return "gram" if short >= GRAM_MIN_SIDE and long >= GRAM_MIN_ASPECT * short else "standard"
+
+
+class NSPrecision(NamedTuple):
+    """The compute dtypes behind one ``ns_dtype`` setting: `standard` for standard NS, `gram` for
+    Gram NS. ns_dtype="auto" on CUDA is NSPrecision(bf16, fp16): fp16 Gram NS where "auto" picks
+    Gram, standard bf16 NS elsewhere; a single dtype d is NSPrecision(d, d)."""
+
+    standard: torch.dtype
+    gram: torch.dtype
+
+    def resolve(self, rows: int, cols: int, algorithm: str, device_type: str) -> tuple[str, torch.dtype]:
+        """(algorithm, compute dtype) for a (rows, cols) matrix; `algorithm` may be "auto"."""
+        if algorithm == "auto":
+            algorithm = resolve_algorithm(rows, cols, self.gram, device_type)
+        return algorithm, self.gram if algorithm == "gram" else self.standard
+
+
+def half_precision_peak(method: str | tuple[float, float, float], steps: int, algorithm: str) -> float:
+    """The largest magnitude any stored intermediate of `algorithm` can reach, for every input.
+
+    After scaling, X's singular values σ lie in [0, 1]. Every stored intermediate is X or a
+    polynomial in G = X Xᵀ (G, G², B, Q, H, the updated G), so in exact arithmetic its entries are
+    bounded by its spectral norm, the largest |value| of that polynomial over X's σ. This follows
+    each σ of a grid on [0, 1] through the iteration (restarts included) and returns the largest
+    such value. GEMMs accumulate in fp32 (tensor cores, and torch on CPU), so only these stored
+    results must fit fp16; FP16_PEAK_LIMIT keeps a margin for rounding and for the grid.
+    Keller and Polar Express peak at Q's eigenvalues near σ = 0, the product of a run's a's (12
+    and 33 with fp16's 2-step runs; 990 for Polar Express in one unrestarted run) — far below
+    fp16's 65504.
+    """
+    return _half_precision_peak(method if isinstance(method, str) else tuple(float(v) for v in method), steps, algorithm)
+
+
+@functools.lru_cache(maxsize=64)
+def _half_precision_peak(method: str | tuple[float, ...], steps: int, algorithm: str) -> float:
+    schedule = coefficient_schedule(method, steps)
+    sigma = torch.linspace(0, 1, 4097, dtype=torch.float64)
+    peak = 1.0
+    if algorithm == "standard":
+        for a, b, c in schedule:
+            lam = sigma**2
+            poly = b * lam + c * lam**2  # B's eigenvalues; X's are σ
+            sigma = a * sigma + poly * sigma
+            peak = max(peak, lam.abs().max().item(), (lam**2).max().item(), poly.abs().max().item(), sigma.abs().max().item())
+        return peak
+    start = 0
+    for length in gram_segments(steps, torch.float16):
+        lam, accumulated = sigma**2, torch.ones_like(sigma)
+        for a, b, c in schedule[start : start + length]:
+            poly = b * lam + c * lam**2
+            factor = a + poly  # P's eigenvalues
+            accumulated = accumulated * factor
+            half = lam * factor
+            peak = max(peak, lam.abs().max().item(), (lam**2).max().item(), poly.abs().max().item(),
+                       accumulated.abs().max().item(), half.abs().max().item())  # fmt: skip
+            lam = half * factor
+        sigma = accumulated * sigma
+        peak = max(peak, sigma.abs().max().item())
+        start += length
+    return peak
+
+
+# ---- optional symmetric GEMM kernels (gram-newton-schulz / quack-kernels, Hopper and Blackwell)
+
+# Below this many rows a symmetric product stays a torch GEMM: the kernels' tile is 256 × 256
+# (the gram-newton-schulz package makes the same cut).
+SYMMETRIC_KERNEL_MIN = 257
+SYMMETRIC_KERNEL_DTYPES = (torch.float16, torch.bfloat16)
+SYMMETRIC_KERNEL_ARCHS = (9, 10)  # compute capability majors: Hopper, Blackwell
+
+
+def _import_symmetric_gemm() -> Callable | None:
+    """quack's ``gemm_symmetric(A, B, C=None, alpha=1.0, beta=1.0) -> alpha·A@B + beta·C`` (one
+    triangle computed, mirrored), as installed with the ``gram-newton-schulz`` package; None if
+    either is missing or fails to import."""
+    try:
+        import gram_newton_schulz  # noqa: F401  (the package this path is written and tested against)
+        from quack.gemm_interface import gemm_symmetric
+    except Exception:  # ImportError, or a CUDA/CUTLASS DSL set-up error raised at import
+        return None
+    return gemm_symmetric
+
+
+@functools.lru_cache(maxsize=None)
+def symmetric_gemm_kernel(device_type: str, device_index: int | None) -> Callable | None:
+    """The optional symmetric GEMM for a device, detected once per device: on a CUDA device of
+    compute capability 9.x or 10.x where gram-newton-schulz is importable; None elsewhere (the
+    CPU and meta paths never import anything). Reads no tensor values."""
+    if device_type != "cuda" or not torch.cuda.is_available():
+        return None
+    major, _ = torch.cuda.get_device_capability(device_index)
+    if major not in SYMMETRIC_KERNEL_ARCHS:
+        return None
+    return _import_symmetric_gemm()
+
+
+def _kernel_for(m1: Tensor) -> Callable | None:
+    if m1.dtype not in SYMMETRIC_KERNEL_DTYPES or m1.size(-2) < SYMMETRIC_KERNEL_MIN:
+        return None
+    return symmetric_gemm_kernel(m1.device.type, m1.device.index)
 
 
 def _addmm(bias: Tensor, m1: Tensor, m2: Tensor, beta: float = 1.0, alpha: float = 1.0) -> Tensor:
@@ -120,7 +251,11 @@ def _addmm(bias: Tensor, m1: Tensor, m2: Tensor, beta: float = 1.0, alpha: float
 
 
 def _symmetric_addmm(bias: Tensor | None, m1: Tensor, m2: Tensor, beta: float = 1.0, alpha: float = 1.0) -> Tensor:
-    """beta·bias + alpha·(m1 @ m2), or m1 @ m2 without bias, for a product known to be symmetric."""
+    """beta·bias + alpha·(m1 @ m2), or m1 @ m2 without bias, for a product known to be symmetric:
+    the optional symmetric kernel where there is one (symmetric_gemm_kernel), else torch GEMMs."""
+    kernel = _kernel_for(m1)
+    if kernel is not None:
+        return kernel(m1, m2, C=bias, alpha=float(alpha), beta=float(beta) if bias is not None else 1.0)
     size = m1.size(-2)
     if size < SYMMETRIC_SPLIT_MIN:
         return m1 @ m2 if bias is None else _addmm(bias, m1, m2, beta, alpha)
@@ -203,6 +338,8 @@ def orthogonalize(
 
     algorithm: "standard", "gram" (same polynomial, iterated on the Gram matrix of the short
     side: fewer FLOPs on rectangular matrices), or "auto" (resolve_algorithm).
+    dtype: the compute dtype, fp32, bf16 or fp16 (fp16: scaled in fp32 first; Gram NS restarts
+    every 2 steps, gram_segments); the result is returned in it.
     """
     if matrix.ndim not in (2, 3):
         raise ValueError(f"orthogonalize expects a matrix or a batch of matrices, got shape {tuple(matrix.shape)}")
@@ -210,11 +347,19 @@ def orthogonalize(
         raise ValueError(f"unknown Newton-Schulz algorithm {algorithm!r}; expected one of {NS_ALGORITHMS}")
     if algorithm == "auto":
         algorithm = resolve_algorithm(matrix.size(-2), matrix.size(-1), dtype, matrix.device.type)
+    if dtype == torch.float16 and (peak := half_precision_peak(method, steps, algorithm)) > FP16_PEAK_LIMIT:
+        raise ValueError(
+            f"orthogonalize: Newton-Schulz coefficients {method!r} over {steps} steps reach "
+            f"{peak:.3g} in {algorithm} NS, beyond fp16's safe range "
+            f"({FP16_PEAK_LIMIT:.3g}); use dtype torch.bfloat16 or torch.float32 (ns_dtype 'bf16' or 'fp32')"
+        )
     if matrix.ndim == 3 and matrix.device.type == "cpu":
         # CPU BLAS runs one GEMM at a time either way; 2-D addmm beats baddbmm by ~8 % (measured,
         # fp32, 1024-2816 sides). Batching pays on GPUs, where it saves kernel launches.
         return torch.stack([orthogonalize(m, steps, method, dtype, eps, algorithm) for m in matrix])
-    x = matrix.to(dtype)
+    # fp16 cannot hold every unscaled input (a momentum of 1e-8 underflows, a sum of squares
+    # overflows): scale in fp32 first, then round once to fp16.
+    x = matrix.to(torch.promote_types(matrix.dtype, torch.float32) if dtype == torch.float16 else dtype)
     tall = x.size(-2) > x.size(-1)
     if tall:
         x = x.mT
@@ -222,10 +367,10 @@ def orthogonalize(
     norm = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True)
     if method == "polar_express":
         norm = norm * POLAR_EXPRESS_SAFETY
-    x = x / norm.clamp(min=eps)
+    x = (x / norm.clamp(min=eps)).to(dtype)
     schedule = coefficient_schedule(method, steps)
     if algorithm == "gram":
-        x = gram_iterations(x, schedule, gram_segments(steps))
+        x = gram_iterations(x, schedule, gram_segments(steps, dtype))
     else:
         x = standard_iterations(x, schedule)
     return x.mT if tall else x

@@ -34,8 +34,8 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from titan_muon import checkpoint, demo, settings
-from titan_muon.commit import StepWork, adamw_step, commit, new_adamw_state, stage_momentum
-from titan_muon.demo_step import Replicas, check_groups, demo_settings
+from titan_muon.commit import StepWork, adamw_step, commit, stage_momentum
+from titan_muon.demo_step import Replicas, check_groups, demo_settings, demo_storage
 from titan_muon.exchange import EngineSettings, ExchangeEngine, StepFailure, agree_on_success, build_engines
 from titan_muon.matrix_step import MatrixStep
 from titan_muon.metrics import state_bytes, step_metrics, wire_bytes
@@ -59,24 +59,22 @@ class Muon(Optimizer):
     with their own ``betas``, ``eps`` and ``weight_decay``. :func:`titan_muon.build_param_groups`
     splits a model the usual way.
 
-    Args follow ``torch.optim.Muon`` (lr, weight_decay, momentum, nesterov, ns_steps,
-    adjust_lr_fn), plus (README.md lists them all, docs/ explains them):
-        ns_coefficients ("keller", "polar_express" or (a, b, c)), ns_algorithm ("auto",
-            "standard", "gram"), ns_eps, ns_dtype ("auto": bf16 on CUDA, fp32 elsewhere);
-        comm_dtype: "auto" (the NS dtype), "fp32" or "bf16": matrices and updates on the wire;
+    Positional args are ``torch.optim.Muon``'s, in its order and meanings (``eps``: Newton–Schulz's
+    epsilon, also ``ns_eps``; in an AdamW group ``eps`` is AdamW's, default ``adamw_eps``). Further
+    (README.md lists them all, docs/ explains them):
+        ns_algorithm ("auto", "standard", "gram"), ns_dtype ("auto": on CUDA bf16 for standard
+            NS and fp16 for Gram NS, fp32 elsewhere); comm_dtype ("auto", "fp32", "bf16"): the wire;
         adamw_betas, adamw_eps, adamw_implementation ("fused", "foreach", "for-loop");
         exchange_memory_mb: per-GPU MiB for the exchange buffers of the rounds in flight
             (8192); an owner always takes at least one matrix per round;
         rounds_in_flight (2); bucket_size_mb, buckets_in_flight: their deprecated names;
-        nonfinite_grads: "raise" on every rank, or "skip" the step on every rank (then
-            ``last_step_skipped`` is True until the next step, and QK-clip leaves it alone);
+        nonfinite_grads: "raise" or "skip" the step, on every rank (``last_step_skipped``);
         row_blocks: Muon Split, FQN patterns -> row-block sizes (one block per head);
         momentum_dtype: "fp32", "bf16" or "fp8" (state.py);
         overlap: momentum on the owners, gradients sent during backward (overlap.py);
-        pipeline_group: this rank's pipeline: a non-finite gradient in any stage raises or
-            skips in every stage (TorchTitan's container passes it);
-        demo, demo_chunk, demo_topk, demo_alpha, replicate_group: DeMo across replicas
-            (docs/demo.md; demo_step.py);
+        pipeline_group: a non-finite gradient in any stage raises or skips in every stage;
+        demo, demo_chunk, demo_topk, demo_alpha, demo_shared_momentum, replicate_group: DeMo across
+            replicas (demo_step.py);
         hierarchical_exchange ("auto", True, False), ranks_per_node: two-stage all-to-alls,
             within nodes and along rails (docs/exchange.md, "W = 4096");
         compile_elementwise: the element-wise passes as ``torch.compile``d kernels, one pass
@@ -90,12 +88,13 @@ class Muon(Optimizer):
         weight_decay: float = 0.1,
         momentum: float = 0.95,
         nesterov: bool = True,
+        ns_coefficients: str | tuple[float, float, float] = "keller",
+        eps: float | None = None,
         ns_steps: int = 5,
         adjust_lr_fn: str | None = None,
         *,
-        ns_coefficients: str | tuple[float, float, float] = "keller",
         ns_algorithm: str = "auto",
-        ns_eps: float = 1e-7,
+        ns_eps: float | None = None,
         ns_dtype: str = "auto",
         comm_dtype: str = "auto",
         adamw_betas: tuple[float, float] = (0.9, 0.95),
@@ -114,14 +113,17 @@ class Muon(Optimizer):
         demo_chunk: int = demo.DEFAULT_CHUNK,
         demo_topk: int = demo.DEFAULT_TOPK,
         demo_alpha: float = demo.DEFAULT_ALPHA,
+        demo_shared_momentum: bool = demo.DEFAULT_SHARED_MOMENTUM,
         replicate_group=None,
         hierarchical_exchange: bool | str = "auto",
         ranks_per_node: int | None = None,
         compile_elementwise: bool | None = None,
     ):
+        ns_eps = settings.newton_schulz_eps(eps, ns_eps)
         settings.check_options(ns_dtype, comm_dtype, nonfinite_grads, adamw_implementation)
         settings.check_hierarchy(hierarchical_exchange, ranks_per_node)
-        self.demo = demo_settings(demo, demo_chunk, demo_topk, demo_alpha, replicate_group, momentum_dtype=momentum_dtype, overlap=overlap)
+        self.demo = demo_settings(demo, demo_chunk, demo_topk, demo_alpha, replicate_group, momentum_dtype=momentum_dtype, overlap=overlap,
+                                  shared_momentum=demo_shared_momentum)  # fmt: skip
         self.replicate_group = replicate_group
         self.hierarchical_exchange, self.ranks_per_node = hierarchical_exchange, ranks_per_node
         self.compile_elementwise = compile_elementwise
@@ -132,7 +134,7 @@ class Muon(Optimizer):
         self.nonfinite_grads, self.row_blocks, self.overlap = nonfinite_grads, dict(row_blocks or {}), overlap
         self.adamw_implementation = adamw_implementation
         self.pipeline_group = pipeline_group
-        self.storage = momentum_storage(momentum_dtype)
+        self.storage = momentum_storage(momentum_dtype) if self.demo is None else demo_storage(self.demo)
         self._overlaps: list[BackwardOverlap | None] = []
         defaults = dict(
             lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
@@ -151,11 +153,24 @@ class Muon(Optimizer):
     # ------------------------------------------------------------------ setup
 
     def add_param_group(self, param_group: dict) -> None:
+        """torch's add_param_group, then this group's checks; a refused group is taken out again
+        (a group added after construction plans the layout again, collectively)."""
         given = dict(param_group)
         super().add_param_group(param_group)
-        settings.validate_group(self.param_groups[-1], len(self.param_groups) - 1, given, self.defaults["eps"])
-        if self._layout_ready:  # a group added after construction: plan again (collectively)
-            self._build_layout()
+        try:
+            settings.check_added_group(self.param_groups, given, self.defaults["eps"], self.param_name if self._layout_ready else None)
+        except Exception:
+            self.param_groups.pop()
+            raise
+        if self._layout_ready:  # plan again (collectively); owner blocks are keyed by the plan's units
+            owner_momentum = checkpoint.owner_momentum_like_params(self)
+            try:
+                self._build_layout()
+            except Exception:
+                self.param_groups.pop()
+                self._build_layout()  # the layout without it, as before the call
+                raise
+            checkpoint.momentum_back_to_owners(self, owner_momentum)
 
     def set_pipeline_group(self, pipeline_group) -> None:
         """Join this rank's pipeline after construction (the ``pipeline_group`` argument, given
@@ -174,13 +189,14 @@ class Muon(Optimizer):
     def _build_layout(self) -> None:
         """Find where every Muon matrix lives, then plan each rank set's rounds and this rank's tables."""
         self.device = settings.common_device([p for g in self.param_groups for p in g["params"]])
-        self.ns_dtype = settings.resolve_dtype(self.ns_dtype_setting, "ns_dtype", self.device)
+        self.ns_precision = settings.resolve_ns_precision(self.ns_dtype_setting, self.device)
+        self.ns_dtype = self.ns_precision.standard  # standard NS's dtype; Orthogonalizer.plan gives each shape's
         comm = self.comm_dtype_setting
-        self.comm_dtype = self.ns_dtype if comm == "auto" else settings.resolve_dtype(comm, "comm_dtype", self.device)
-        self.newton_schulz = Orthogonalizer(lambda: self.param_groups, self.ns_dtype, self.device)
+        self.comm_dtype = settings.auto_comm_dtype(self.ns_precision) if comm == "auto" else settings.resolve_dtype(comm, "comm_dtype", self.device)
+        self.newton_schulz = Orthogonalizer(lambda: self.param_groups, self.ns_precision, self.device)
         self.elementwise = elementwise_for(self.compile_elementwise, self.device)
         if self.demo is not None:
-            check_groups(self.param_groups)
+            check_groups(self.param_groups, self.demo)
         self._names = [self.param_name(gi, pi) for gi, g in enumerate(self.param_groups) for pi in range(len(g["params"]))]
         self.muon_params: list[MuonParam] = collect_muon_params(self.param_groups, self.param_name)
         rank_sets, covering = locate(self.muon_params)
@@ -193,7 +209,7 @@ class Muon(Optimizer):
         owner_momentum = "all" if self.demo is not None else "sharded" if self.overlap else None
         self.engines: list[ExchangeEngine] = build_engines(units, shardings, [rank_set.group for rank_set in rank_sets], self._unit_flops, EngineSettings(
             device=self.device, round_bytes=self.exchange_memory_mb * 2**20 / self.rounds_in_flight,
-            owner_bytes=settings.owner_bytes_per_element(self.comm_dtype, self.ns_dtype), rounds_in_flight=self.rounds_in_flight,
+            owner_bytes=settings.owner_bytes_per_element(self.comm_dtype, self.ns_precision), rounds_in_flight=self.rounds_in_flight,
             min_rounds=OVERLAP_MIN_ROUNDS if self.overlap else 1, hierarchical_exchange=self.hierarchical_exchange,
             ranks_per_node=settings.ranks_per_node(self.ranks_per_node, self.device), owner_momentum=owner_momentum,
         ))  # fmt: skip
@@ -209,28 +225,6 @@ class Muon(Optimizer):
             self.replicas.check_consistent(params, self._names, hash(tuple(e.plan.fingerprint() for e in self.engines)))
         self._layout_ready = True
 
-    def _ensure_state(self) -> None:
-        """Create every parameter's state at once, identically on every rank (DCP needs equal keys)."""
-        for group in self.param_groups:
-            if not group["use_muon"]:
-                for p in group["params"]:
-                    if not self.state[p]:
-                        self.state[p].update(new_adamw_state(p, self.adamw_implementation))
-        for entry in self.muon_params:
-            state = self.state[entry.param]
-            if entry.momentum_on_owner:
-                for key, value in self.storage.placeholders(self.device).items():
-                    state.setdefault(key, value)
-            elif not state:
-                state.update(self.storage.create(entry.param))
-        for s, engine in enumerate(self.engines):
-            if not engine.owners_hold_momentum:
-                continue
-            for u in engine.owned_units():
-                if (s, u) not in self.owner_blocks:
-                    unit = engine.units[u]
-                    self.owner_blocks[(s, u)] = self.storage.create_block(unit.rows, unit.cols, self.device)
-
     # ------------------------------------------------------------------- step
 
     @torch.no_grad()
@@ -242,7 +236,7 @@ class Muon(Optimizer):
         settings.check_step(self.param_groups, self.param_name)
         timer = StepTimer(self.device)
         timer.start("step")
-        self._ensure_state()
+        checkpoint.create_state(self)
         self._align_gradients()
         with phase("check_gradients"):
             verdict = self._agree_on_gradients()
@@ -325,19 +319,23 @@ class Muon(Optimizer):
     # ------------------------------------------------------------ checkpoints
 
     hierarchical_exchange: bool | str = "auto"  # for copies of optimizers pickled before the option existed
+    last_step_skipped: bool = False
     ranks_per_node: int | None = None
     compile_elementwise: bool | None = None
     _CARRIED = ("exchange_memory_mb", "rounds_in_flight", "ns_dtype_setting", "comm_dtype_setting", "nonfinite_grads",
                 "row_blocks", "overlap", "adamw_implementation", "storage", "skipped_steps", "owner_blocks", "pipeline_group",
-                "demo", "replicate_group", "hierarchical_exchange", "ranks_per_node", "compile_elementwise")  # fmt: skip
+                "demo", "replicate_group", "hierarchical_exchange", "ranks_per_node", "last_step_skipped",
+                "compile_elementwise")  # fmt: skip
 
     def __getstate__(self) -> dict:
-        return {**super().__getstate__(), **{key: self.__dict__[key] for key in self._CARRIED}}
+        return {**super().__getstate__(), **{key: getattr(self, key) for key in self._CARRIED}}
 
     def __setstate__(self, state: dict) -> None:
         """A copy (``copy.deepcopy``) plans its layout again: a collective, like construction."""
         super().__setstate__(state)
-        self._overlaps, self._metrics, self._metrics_read = [], {}, None
+        # torch's load_state_dict comes here too: its gradient hooks must go before the re-plan adds new ones
+        self._overlaps = self.__dict__.get("_overlaps", [])
+        self._metrics, self._metrics_read = {}, None
         self._build_layout()
 
     def state_dict(self) -> dict:

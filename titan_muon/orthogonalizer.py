@@ -7,44 +7,64 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from titan_muon.newton_schulz import newton_schulz_flops, orthogonalize, resolve_algorithm
+from titan_muon.newton_schulz import FP16_PEAK_LIMIT, NSPrecision, half_precision_peak, newton_schulz_flops, orthogonalize
 from titan_muon.timing import StepTimer, phase
 from titan_muon.update import update_scale
 
 
 # Peak bytes orthogonalize() allocates (copies in the NS dtype, Gram products, polynomial, the
 # fp32 result) per byte of its fp32 input, measured with a storage-lifetime mode on CPU
-# (tests/test_meta_device.py::test_peak_transient_bytes_bound_what_is_really_alive): at most
-# 5.6 in fp32 (Gram NS on a near-square batch) and 3.3 in bf16.
-NS_WORKSPACE = {torch.float32: 6.0, torch.bfloat16: 3.5}
+# (tests/test_memory.py::test_peak_transient_bytes_bound_what_is_really_alive): at most
+# 5.6 in fp32 (Gram NS on a near-square batch) and 3.3 in bf16. fp16 scales its input in fp32
+# before rounding it, but that copy is freed before the NS products exist: as bf16, 3.5 plus
+# its fp32 norm at most (a single 64 × 64 Gram NS, forced: "auto" runs standard NS on square
+# matrices; 2.4 at 300 × 640; tests/test_newton_schulz.py::test_fp16_workspace).
+NS_WORKSPACE = {torch.float32: 6.0, torch.bfloat16: 3.5, torch.float16: 3.6}
 
 
 class Orthogonalizer:
     """Runs batches of equal-shape matrices of one param group (``key = ((rows, cols), group
-    index)``) through Newton–Schulz in ``ns_dtype`` and scales them by their shape's factor;
-    results stay in ``ns_dtype``."""
+    index)``) through Newton–Schulz and scales them by their shape's factor; results stay in
+    the NS dtype. ``ns_precision``: the compute dtypes of standard and Gram NS (a single dtype
+    means both)."""
 
-    def __init__(self, param_groups: Callable[[], list[dict]], ns_dtype: torch.dtype, device: torch.device):
+    def __init__(self, param_groups: Callable[[], list[dict]], ns_precision: NSPrecision | torch.dtype, device: torch.device):
         # a getter: torch's Optimizer.load_state_dict replaces the optimizer's list of groups
-        self.param_groups, self.ns_dtype, self.device = param_groups, ns_dtype, device
+        if isinstance(ns_precision, torch.dtype):
+            ns_precision = NSPrecision(ns_precision, ns_precision)
+        self.param_groups, self.ns_precision, self.device = param_groups, ns_precision, device
+
+    def plan(self, group: dict, rows: int, cols: int) -> tuple[str, torch.dtype]:
+        """(algorithm, compute dtype) for one (rows, cols) matrix of `group`. A schedule whose
+        intermediates could leave fp16's range (half_precision_peak; never Keller or Polar
+        Express) runs in bf16 instead: same width, fp32's range."""
+        algorithm, dtype = self.ns_precision.resolve(rows, cols, group["ns_algorithm"], self.device.type)
+        if dtype == torch.float16 and half_precision_peak(group["ns_coefficients"], group["ns_steps"], algorithm) > FP16_PEAK_LIMIT:
+            dtype = torch.bfloat16
+        return algorithm, dtype
 
     def algorithm(self, group: dict, rows: int, cols: int) -> str:
-        algorithm = group["ns_algorithm"]
-        return resolve_algorithm(rows, cols, self.ns_dtype, self.device.type) if algorithm == "auto" else algorithm
+        return self.plan(group, rows, cols)[0]
 
     def flops(self, group: dict, rows: int, cols: int) -> int:
         """What an owner spends on one (rows, cols) matrix of `group`: the plan balances owners on this."""
-        return newton_schulz_flops(rows, cols, group["ns_steps"], self.algorithm(group, rows, cols))
+        return newton_schulz_flops(rows, cols, group["ns_steps"], *self.plan(group, rows, cols))
+
+    def workspace_bytes(self, key: tuple, matrices: Tensor) -> int:
+        """What orthogonalizing `matrices` (fp32) allocates at its peak (NS_WORKSPACE)."""
+        shape, group_index = key
+        _, dtype = self.plan(self.param_groups()[group_index], *shape)
+        return int(NS_WORKSPACE[dtype] * matrices.numel() * 4)
 
     def __call__(self, key: tuple, matrices: Tensor, timer: StepTimer, work) -> Tensor:
         shape, group_index = key
         group = self.param_groups()[group_index]
-        steps, algorithm = group["ns_steps"], self.algorithm(group, *shape)
+        steps, (algorithm, dtype) = group["ns_steps"], self.plan(group, *shape)
         timer.start("ns")
         with phase("newton_schulz"):
-            ortho = orthogonalize(matrices, steps, group["ns_coefficients"], self.ns_dtype, group["ns_eps"], algorithm)
+            ortho = orthogonalize(matrices, steps, group["ns_coefficients"], dtype, group["ns_eps"], algorithm)
         timer.stop("ns")
-        work.ns_flops += matrices.shape[0] * newton_schulz_flops(*shape, steps, algorithm)
+        work.ns_flops += matrices.shape[0] * newton_schulz_flops(*shape, steps, algorithm, dtype)
         with phase("scale"):
             # In the NS dtype, the value the wire carries anyway, into a row-major buffer: NS returns
             # tall matrices transposed, and the return buffer is cut from them by rows.

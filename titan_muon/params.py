@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from titan_muon.layout import RankGrid, Sharding, replicated, sharding_of
 from titan_muon.plan import Unit
-from titan_muon.settings import check_muon_param
+from titan_muon.settings import check_group_params
 from titan_muon.split import RowBlocks, match_row_blocks, row_block_ranges
 from titan_muon.transport import cached_group
 from titan_muon.update import local_shard
@@ -46,16 +46,14 @@ class MuonParam:
 
 
 def collect_muon_params(param_groups: list[dict], name_of: Callable[[int, int], str]) -> list[MuonParam]:
-    """The Muon groups' parameters, in order, after checking every parameter (`name_of(group,
-    index)` names it in errors): Muon's are matrices or stacks of them, AdamW's floating point."""
+    """The Muon groups' parameters, in order, after checking every group's parameters (`name_of(group,
+    index)` names one in errors): Muon's are matrices or stacks of them, AdamW's floating point."""
     entries: list[MuonParam] = []
     for gi, group in enumerate(param_groups):
-        for pi, p in enumerate(group["params"]):
-            if group["use_muon"]:
-                check_muon_param(p, name_of(gi, pi), group)
+        check_group_params(group, gi, name_of)
+        if group["use_muon"]:
+            for pi, p in enumerate(group["params"]):
                 entries.append(MuonParam(p, name_of(gi, pi), group, gi, len(entries), None))
-            elif not p.dtype.is_floating_point:
-                raise ValueError(f"titan_muon.Muon: parameter {name_of(gi, pi)!r} has dtype {p.dtype}; floating-point parameters only")
     return entries
 
 

@@ -7,10 +7,14 @@ import warnings
 
 import torch
 
-from titan_muon.newton_schulz import NS_ALGORITHMS, NS_METHODS, coefficient_schedule
+from titan_muon.newton_schulz import NS_ALGORITHMS, NS_METHODS, NSPrecision, coefficient_schedule
 from titan_muon.update import ADJUST_LR_FNS
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# Newton–Schulz may also run in fp16 (it scales its input first); the wire may not: unscaled
+# gradients and updates can leave fp16's range.
+NS_DTYPES = {**DTYPES, "fp16": torch.float16}
+NS_DTYPE_CHOICES = (*NS_DTYPES, "auto")
 # The keys of a Muon param group (torch's loader adds others, which state_dict() must not grow).
 GROUP_KEYS = ("params", "param_names", "lr", "weight_decay", "momentum", "nesterov", "ns_steps", "adjust_lr_fn",
               "ns_coefficients", "ns_algorithm", "ns_eps", "betas", "eps", "use_muon", "matrix_stacks")  # fmt: skip
@@ -19,6 +23,7 @@ NONFINITE_POLICIES = ("raise", "skip")
 ADAMW_IMPLEMENTATIONS = ("fused", "foreach", "for-loop")  # the names of TorchTitan's optimizer.implementation
 # Per-rank MiB for the exchange buffers of the rounds in flight (plan.py, exchange.py).
 DEFAULT_EXCHANGE_MEMORY_MB = 8192.0
+DEFAULT_NS_EPS = 1e-7  # torch.optim.Muon's
 # What one element of a matrix costs its owner during a round, in bytes per byte of the wire
 # dtype plus fixed fp32 parts: received pieces and the return buffer (2 × wire), the assembled
 # fp32 matrix and its scaled fp32 result (8), Newton–Schulz input, iterate and polynomial in the
@@ -34,8 +39,26 @@ def resolve_dtype(name: str, key: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
-def owner_bytes_per_element(comm_dtype: torch.dtype, ns_dtype: torch.dtype) -> float:
-    return 2 * comm_dtype.itemsize + OWNER_FIXED_BYTES + 3 * ns_dtype.itemsize
+def resolve_ns_precision(name: str, device: torch.device) -> NSPrecision:
+    """The NS compute dtypes of an ``ns_dtype`` setting. "auto": on CUDA, standard NS in bf16
+    (tensor cores) and Gram NS in fp16 (bf16 is too coarse for it, docs/newton_schulz.md);
+    elsewhere fp32 (exact; half-precision matmuls are slow on CPUs)."""
+    if name not in NS_DTYPE_CHOICES:
+        raise ValueError(f"titan_muon.Muon: ns_dtype={name!r} is not supported; expected one of {NS_DTYPE_CHOICES}")
+    if name == "auto":
+        return NSPrecision(torch.bfloat16, torch.float16) if device.type == "cuda" else NSPrecision(torch.float32, torch.float32)
+    return NSPrecision(NS_DTYPES[name], NS_DTYPES[name])
+
+
+def auto_comm_dtype(ns_precision: NSPrecision) -> torch.dtype:
+    """comm_dtype="auto": fp32 with fp32 NS, else bf16 (fp16 NS included: the wire carries
+    unscaled matrices, which need bf16's range)."""
+    return torch.float32 if ns_precision.standard == torch.float32 else torch.bfloat16
+
+
+def owner_bytes_per_element(comm_dtype: torch.dtype, ns_dtype: torch.dtype | NSPrecision) -> float:
+    itemsize = max(d.itemsize for d in ns_dtype) if isinstance(ns_dtype, NSPrecision) else ns_dtype.itemsize
+    return 2 * comm_dtype.itemsize + OWNER_FIXED_BYTES + 3 * itemsize
 
 
 def exchange_memory(exchange_memory_mb: float | None, bucket_size_mb: float | None, rounds_in_flight: int | None,
@@ -71,9 +94,9 @@ def exchange_memory(exchange_memory_mb: float | None, bucket_size_mb: float | No
 
 
 def check_options(ns_dtype: str, comm_dtype: str, nonfinite_grads: str, adamw_implementation: str) -> None:
-    for name, key in ((ns_dtype, "ns_dtype"), (comm_dtype, "comm_dtype")):
-        if name not in DTYPE_CHOICES:
-            resolve_dtype(name, key, torch.device("cpu"))
+    resolve_ns_precision(ns_dtype, torch.device("cpu"))
+    if comm_dtype not in DTYPE_CHOICES:
+        resolve_dtype(comm_dtype, "comm_dtype", torch.device("cpu"))
     if nonfinite_grads not in NONFINITE_POLICIES:
         raise ValueError(f"titan_muon.Muon: nonfinite_grads={nonfinite_grads!r}; expected one of {NONFINITE_POLICIES}")
     if adamw_implementation not in ADAMW_IMPLEMENTATIONS:
@@ -114,18 +137,48 @@ def check_lr(group: dict, index: int) -> None:
         raise ValueError(f"titan_muon.Muon: param group {index}: lr must be a number or a one-element tensor, got {lr!r}")
 
 
-def validate_group(group: dict, index: int, given: dict | None = None, adamw_eps: float | None = None) -> None:
-    """Checks of a param group's settings; `given` is the group as the caller passed it (torch
-    fills the defaults into that dict, so a group reused for another optimizer carries them)."""
+def _is_eps(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0
+
+
+def newton_schulz_eps(eps: float | None, ns_eps: float | None) -> float:
+    """Newton–Schulz's epsilon from the constructor's two names for it: ``eps`` (torch.optim.Muon's)
+    and ``ns_eps``; 1e-7 (torch's default) when neither is given."""
+    if eps is not None and ns_eps is not None and eps != ns_eps:
+        raise ValueError(
+            f"titan_muon.Muon: eps={eps!r} and ns_eps={ns_eps!r} disagree: both are Newton-Schulz's epsilon (eps is "
+            "torch.optim.Muon's name for it); give one. AdamW groups' epsilon is adamw_eps."
+        )
+    value = DEFAULT_NS_EPS if eps is None and ns_eps is None else (ns_eps if ns_eps is not None else eps)
+    if not _is_eps(value):
+        raise ValueError(f"titan_muon.Muon: ns_eps must be a number >= 0 (eps, torch.optim.Muon's name for it), got {value!r}")
+    return float(value)
+
+
+def settle_eps(group: dict, index: int, given: dict, adamw_eps: float) -> None:
+    """A group's epsilons as torch's names mean them. Muon group: 'eps' and 'ns_eps' both name
+    Newton–Schulz's epsilon (torch.optim.Muon's group key is 'eps'), so either sets both, and
+    different values are refused; AdamW group: 'eps' is AdamW's, ``adamw_eps`` unless given.
+    `given` is the group as the caller passed it, before torch filled in the defaults."""
+    if not group["use_muon"]:
+        group["eps"] = given.get("eps", adamw_eps)
+        return
+    eps, ns_eps = given.get("eps"), given.get("ns_eps")
+    if eps is not None and ns_eps is not None and eps != ns_eps:
+        raise ValueError(
+            f"titan_muon.Muon: param group {index}: 'eps'={eps!r} and 'ns_eps'={ns_eps!r} disagree: in a Muon group both "
+            "are Newton-Schulz's epsilon ('eps' is torch.optim.Muon's name for it); give one"
+        )
+    group["ns_eps"] = ns_eps if ns_eps is not None else eps if eps is not None else group["ns_eps"]
+    group["eps"] = group["ns_eps"]
+
+
+def validate_group(group: dict, index: int) -> None:
+    """Checks of a param group's settings (after :func:`settle_eps`)."""
     where = f"titan_muon.Muon: param group {index}"
     check_lr(group, index)
     if not float(group["lr"]) >= 0:
         raise ValueError(f"{where}: lr must be >= 0, got {group['lr']}")
-    if group["use_muon"] and given is not None and given.get("eps", adamw_eps) != adamw_eps:
-        raise ValueError(
-            f"{where}: 'eps' is AdamW's epsilon and does nothing in a Muon group; Newton-Schulz's epsilon "
-            "(torch.optim.Muon's eps) is 'ns_eps'"
-        )
     if not group["weight_decay"] >= 0:
         raise ValueError(f"{where}: weight_decay must be >= 0, got {group['weight_decay']}")
     if group["use_muon"]:
@@ -143,6 +196,8 @@ def validate_group(group: dict, index: int, given: dict | None = None, adamw_eps
             coefficient_schedule(coefficients, 1)
         if group["ns_algorithm"] not in NS_ALGORITHMS:
             raise ValueError(f"{where}: ns_algorithm={group['ns_algorithm']!r}; expected one of {NS_ALGORITHMS}")
+        if not _is_eps(group["ns_eps"]):
+            raise ValueError(f"{where}: ns_eps ('eps' in a Muon group) must be a number >= 0, got {group['ns_eps']!r}")
     else:
         beta1, beta2 = group["betas"]
         if not (0 <= beta1 < 1 and 0 <= beta2 < 1):
@@ -168,6 +223,27 @@ def check_muon_param(p: torch.Tensor, name: str, group: dict) -> None:
             "use_muon=False (titan_muon.build_param_groups does this for embeddings, the output head, "
             "norms and biases)."
         )
+
+
+def check_added_group(param_groups: list[dict], given: dict, adamw_eps: float, name_of=None) -> None:
+    """The checks of the group ``add_param_group`` just appended to `param_groups` (`given`: as
+    the caller passed it): its epsilons, its settings and, once the optimizer is built (`name_of`
+    given), its parameters, before the layout changes."""
+    group, index = param_groups[-1], len(param_groups) - 1
+    settle_eps(group, index, given, adamw_eps)
+    validate_group(group, index)
+    if name_of is not None:
+        check_group_params(group, index, name_of)
+
+
+def check_group_params(group: dict, index: int, name_of) -> None:
+    """The checks planning makes of a group's parameters, for a group added after construction,
+    before the layout changes; `name_of(group_index, index)` names a parameter."""
+    for pi, p in enumerate(group["params"]):
+        if group["use_muon"]:
+            check_muon_param(p, name_of(index, pi), group)
+        elif not p.dtype.is_floating_point:
+            raise ValueError(f"titan_muon.Muon: parameter {name_of(index, pi)!r} has dtype {p.dtype}; floating-point parameters only")
 
 
 def common_device(params: list[torch.Tensor]) -> torch.device:

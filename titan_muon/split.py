@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from fnmatch import fnmatchcase
 
-from titan_muon.fused_qkv import fused_qkv_layout
+from titan_muon.attention_layers import find_attention_layers
 from titan_muon.param_groups import clean_fqn
 
 RowBlocks = int | Sequence[int]
@@ -62,7 +62,7 @@ def attention_row_blocks(model, mode: str = "head", *, missing_ok: bool = False)
     or the fused ``qkv_linear.wqkv`` per q, k and v head); MLA wq (or wq_b) per head as
     [q_nope + q_rope] and wkv_b per head as [k_nope + v].
     "fine" (GLM-5): MLA heads split further into q_nope | q_rope and k_nope | v.
-    "none": no split. Modules are recognized by the attributes torchtitan's attention sets.
+    "none": no split. Attention modules are found by :func:`titan_muon.attention_layers.find_attention_layers`.
     A model without them is an error, unless ``missing_ok`` (a pipeline stage's model part
     may hold only the embeddings, or the norm and output head).
     """
@@ -71,26 +71,14 @@ def attention_row_blocks(model, mode: str = "head", *, missing_ok: bool = False)
     if mode == "none":
         return {}
     blocks: dict[str, RowBlocks] = {}
-    for name, module in model.named_modules():
-        prefix = f"{name}." if name else ""
-        if hasattr(module, "wkv_b") and hasattr(module, "qk_nope_head_dim"):  # MLA
-            nope, rope, v = module.qk_nope_head_dim, module.qk_rope_head_dim, module.v_head_dim
-            query = "wq_b" if getattr(module, "q_lora_rank", 0) else "wq"
-            blocks[f"{prefix}{query}.weight"] = (nope, rope) if mode == "fine" else nope + rope
-            blocks[f"{prefix}wkv_b.weight"] = (nope, v) if mode == "fine" else nope + v
-        elif hasattr(module, "n_kv_heads") and hasattr(module, "head_dim") and hasattr(module, "wq"):  # GQA / MHA
-            for projection in ("wq", "wk", "wv"):
-                blocks[f"{prefix}{projection}.weight"] = module.head_dim
-        elif hasattr(module, "qkv_linear") and hasattr(module, "head_dim"):  # torchtitan 0.3.0 GQA / MHA
-            blocks.update(_qkv_linear_row_blocks(f"{prefix}qkv_linear.", module))
+    for layer in find_attention_layers(model):
+        if layer.kind == "mla":
+            nope, rope, v = layer.qk_nope_head_dim, layer.qk_rope_head_dim, layer.v_head_dim
+            blocks[layer.weight_fqn(layer.query_projection_name)] = (nope, rope) if mode == "fine" else nope + rope
+            blocks[layer.weight_fqn(layer.key_projection_name)] = (nope, v) if mode == "fine" else nope + v
+        else:  # GQA / MHA: one block per q, k and v head; the fused wqkv's every head_dim rows are one such head
+            for projection in layer.projection_names():
+                blocks[layer.weight_fqn(projection)] = layer.qk_head_dim
     if not blocks and not missing_ok:
         raise ValueError("titan_muon split: no torchtitan llama3 / deepseek_v3 attention module found in the model")
     return blocks
-
-
-def _qkv_linear_row_blocks(prefix: str, attention) -> dict[str, RowBlocks]:
-    """One block per head of torchtitan 0.3.0's ``qkv_linear``: separate wq/wk/wv, or the fused wqkv,
-    whose every head_dim rows are one q, k or v head (titan_muon.fused_qkv)."""
-    if fused_qkv_layout(attention) is not None:
-        return {f"{prefix}wqkv.weight": attention.head_dim}
-    return {f"{prefix}{projection}.weight": attention.head_dim for projection in ("wq", "wk", "wv")}

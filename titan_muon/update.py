@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-ADJUST_LR_FNS = ("original", "match_rms_adamw")
+ADJUST_LR_FNS = ("original", "match_rms_adamw", "spectral_unclamped")
 
 
 def local_shard(t: Tensor) -> Tensor:
@@ -42,12 +42,16 @@ def update_scale(adjust_lr_fn: str | None, rows: int, cols: int) -> float:
     "original" (Keller Jordan, the default): sqrt(max(1, rows / cols)).
     "match_rms_adamw" (Moonlight): 0.2 * sqrt(max(rows, cols)), which gives the update the RMS
     of a typical AdamW update so AdamW's learning rate and weight decay carry over.
-    Same names and meanings as ``torch.optim.Muon``'s ``adjust_lr_fn``.
+    "spectral_unclamped": sqrt(rows / cols) = sqrt(fan_out / fan_in), below 1 for wide matrices
+    (torchtitan 0.3.0 DistMuon's ``_adjust_muon_learning_rate``, flex_shard/dist_muon.py).
+    The first two are ``torch.optim.Muon``'s names and meanings; the third is DistMuon's.
     """
     if adjust_lr_fn is None or adjust_lr_fn == "original":
         return math.sqrt(max(1.0, rows / cols))
     if adjust_lr_fn == "match_rms_adamw":
         return 0.2 * math.sqrt(max(rows, cols))
+    if adjust_lr_fn == "spectral_unclamped":
+        return math.sqrt(rows / cols)
     raise ValueError(f"unknown adjust_lr_fn {adjust_lr_fn!r}; expected None or one of {ADJUST_LR_FNS}")
 
 

@@ -4,11 +4,19 @@ One all-reduce carries, per parameter, whether its gradient is missing and wheth
 non-finite on this rank, and with overlap what the gradients sent during backward were
 (overlap.py); the host reads the result once. Every rank reaches the same verdict and raises
 the same error, before anything changes.
+
+Under pipeline parallel a second, one-number MAX all-reduce over the pipeline carries what
+the stage found (:data:`NONFINITE`, :data:`UNEVEN`), so every stage skips or raises alike.
+With several model parts per rank (interleaved schedules: one optimizer per part, stepping
+one after another) the parts must agree before the first one writes:
+:func:`agreeing_model_parts` agrees on all of them first and hands each part the outcome in
+place of its pipeline all-reduce.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -17,6 +25,10 @@ from torch import Tensor
 
 from titan_muon.transport import Transport
 from titan_muon.update import local_shard
+
+# What a stage (or model part) found, MAX-reduced over the pipeline: the largest code wins.
+NONFINITE = 1.0  # a non-finite gradient: skip or raise, as nonfinite_grads says
+UNEVEN = 2.0  # a gradient present on some ranks but not on others: raise
 
 
 @dataclass
@@ -56,18 +68,18 @@ def agree_on_gradients(params: Sequence[Tensor], name_of: Callable[[int], str], 
     for o, size in zip(active, sizes):  # derived on the device, so the host still reads once
         compared.append(o.compare(tail[:size]))
         tail = tail[size:]
+    world = transport.world_size
     elsewhere = []
     if pipeline is not None:
-        any_here = status[n : 2 * n].amax() if n else torch.zeros((), dtype=torch.float64, device=transport.device)
-        elsewhere = [pipeline.all_reduce(any_here.reshape(1).clone(), torch.distributed.ReduceOp.MAX)]
+        found = stage_code(status[:n], status[n : 2 * n], world)
+        elsewhere = [pipeline.all_reduce(found.reshape(1).clone(), torch.distributed.ReduceOp.MAX)]
     host = torch.cat([status[: 2 * n], *compared, *elsewhere]).tolist()
-    other_stage = bool(host[-1]) if pipeline is not None else False
+    code = host[-1] if pipeline is not None else 0.0
 
-    world = transport.world_size
     missing_counts, nonfinite = host[:n], host[n : 2 * n]
     partial = [i for i, c in enumerate(missing_counts) if 0 < c < world]
     bad = [name_of(i) for i, c in enumerate(nonfinite) if c > 0]
-    usable = not (partial or bad)  # else every early send is waited for and dropped
+    usable = not (partial or bad or code)  # else every early send is waited for and dropped
     offset, early = 2 * n, []
     for o in overlaps:
         if o is None:
@@ -83,13 +95,113 @@ def agree_on_gradients(params: Sequence[Tensor], name_of: Callable[[int], str], 
             f"titan_muon.Muon: gradients of {names} exist on some ranks but not on others (the first is "
             f"{here} on this rank). Every rank must produce the same set of gradients; nothing was changed."
         )
-    if bad or other_stage:
+    if code >= UNEVEN:
+        raise RuntimeError(
+            "titan_muon.Muon: gradients exist on some ranks but not on others in another pipeline stage or model "
+            "part (its ranks name them). Every rank must produce the same set of gradients; nothing was changed."
+        )
+    if bad or code:
         if nonfinite_policy == "skip":
             return Verdict(skip_step=True)
-        where = f"in {bad}" if bad else "in another pipeline stage"
+        where = f"in {bad}" if bad else "in another pipeline stage or model part"
         raise FloatingPointError(
             f"titan_muon.Muon: non-finite (NaN/Inf) gradients {where}; no parameter or state was changed. "
             'Pass nonfinite_grads="skip" to skip such steps instead.'
         )
     skipped = {id(p) for p, c in zip(params, missing_counts) if c == world}
     return Verdict(skipped=skipped, early=early)
+
+
+def stage_code(missing: Tensor, nonfinite: Tensor, world: int) -> Tensor:
+    """From the all-reduced per-parameter counts of missing and non-finite gradients: UNEVEN if
+    a gradient is missing on some ranks only, else NONFINITE if one is non-finite, else 0 (a
+    float64 device scalar, no host read)."""
+    if missing.numel() == 0:
+        return torch.zeros((), dtype=torch.float64, device=missing.device)
+    uneven = ((missing > 0) & (missing < world)).any().double() * UNEVEN
+    return torch.maximum(uneven, (nonfinite > 0).any().double() * NONFINITE)
+
+
+class _AgreedOutcome:
+    """Stands in for a part's pipeline transport for one step: the all-reduce of what the
+    stages found was done already, over every part (:func:`agreeing_model_parts`)."""
+
+    def __init__(self, code: Tensor):
+        self.code = code
+
+    def all_reduce(self, tensor: Tensor, op=None) -> Tensor:
+        return self.code.reshape(1).clone()
+
+
+@contextmanager
+def agreeing_model_parts(optimizers: Sequence) -> Iterator[None]:
+    """For one step of several Muon optimizers on this rank (one per model part, as torchtitan's
+    interleaved pipeline schedules have them), run in the block one after another.
+
+    Each part's own agreement pairs it with the other ranks' same part only: a NaN in part 1
+    let part 0 step (policy "skip"), or raised after part 0 had written ("raise"). Here every
+    part's gradients are checked first: per part one all-reduce over its ranks (the counts of
+    missing gradients and of non-finite ones), then one MAX over the pipeline of what any part
+    found; each part's step then gets that outcome in place of its own pipeline all-reduce, so
+    all parts on all ranks skip, raise, or step together, before any of them writes.
+
+    When the first part raises (the same error on every rank), the later parts never ran their
+    step: what overlap sent during their backward is settled by running their agreement too
+    (their step, which cannot write then: it raises or skips), so no transfer is left without
+    its peer on any rank. After another exception they wait for their sends locally.
+    """
+    if len(optimizers) < 2:
+        yield
+        return
+    found = []
+    for opt in optimizers:
+        params = [p for group in opt.param_groups for p in group["params"]]
+        grads = [None if p.grad is None else local_shard(p.grad) for p in params]
+        device = opt.transport.device
+        missing = torch.tensor([float(g is None) for g in grads], dtype=torch.float64, device=device)
+        checked = [g for g in grads if g is not None and g.numel() > 0]
+        norms = torch._foreach_norm(checked, 2) if checked else []
+        nonfinite = torch.stack(norms).isfinite().logical_not().any().double().reshape(1) if norms else missing.new_zeros(1)
+        counts = opt.transport.all_reduce(torch.cat([missing, nonfinite]))
+        found.append(stage_code(counts[:-1], counts[-1:], opt.transport.world_size))
+    code = torch.stack(found).amax()
+    pipelines = [opt.pipeline for opt in optimizers]
+    if pipelines[0] is not None:  # the parts of a rank share its pipeline
+        code = pipelines[0].all_reduce(code.reshape(1).clone(), torch.distributed.ReduceOp.MAX)[0]
+    stepped: list = []  # the parts whose step began, in order
+    for opt in optimizers:
+        opt.pipeline = _AgreedOutcome(code)
+        opt.step = _recording_step(opt, stepped)
+    try:
+        yield
+    except BaseException:
+        for opt in optimizers:
+            del opt.step  # the class's again
+        agreed_not_to_write = code.item() != 0  # then every rank raised in the same part
+        for opt in optimizers:
+            if any(stepped_opt is opt for stepped_opt in stepped) or not any(o is not None for o in opt._overlaps):
+                continue
+            if agreed_not_to_write:
+                try:
+                    opt.step()
+                except Exception:  # noqa: BLE001, S110 - the same error as the first part's, raised already
+                    pass
+            else:
+                for overlap in opt._overlaps:
+                    if overlap is not None:
+                        overlap.drain()
+        raise
+    finally:
+        for opt, pipeline in zip(optimizers, pipelines):
+            opt.__dict__.pop("step", None)
+            opt.pipeline = pipeline
+
+
+def _recording_step(opt, stepped: list):
+    step = opt.step
+
+    def recording(*args, **kwargs):
+        stepped.append(opt)
+        return step(*args, **kwargs)
+
+    return recording

@@ -31,17 +31,20 @@ class Optimizer:
     ns_algorithm: Literal["auto", "standard", "gram"] = "auto"
     """How NS evaluates its polynomial: "gram" iterates on the short side's Gram matrix (fewer
     FLOPs on rectangular matrices); "auto" uses it where it is faster and as accurate."""
-    ns_dtype: Literal["auto", "fp32", "bf16"] = "auto"
-    """Newton-Schulz matmul precision: "auto" = "bf16" on CUDA (tensor cores), "fp32" on CPU
-    (exact; bf16 matmuls are slow there)."""
+    ns_dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    """Newton-Schulz matmul precision: "auto" = on CUDA "bf16" for standard NS and "fp16" for
+    Gram NS (tensor cores; Gram NS needs fp16's mantissa), "fp32" on CPU (exact; half-precision
+    matmuls are slow there)."""
     comm_dtype: Literal["auto", "fp32", "bf16"] = "auto"
-    """dtype of Muon's traffic between ranks: "auto" = the NS dtype (bf16 traffic costs no
-    accuracy that bf16 NS has not already given up; fp32 keeps W ranks bit-close to one process)."""
+    """dtype of Muon's traffic between ranks: "auto" = fp32 with fp32 NS, else bf16 (bf16 traffic
+    costs no accuracy that half-precision NS has not already given up; fp32 keeps W ranks
+    bit-close to one process)."""
     momentum_dtype: Literal["fp32", "bf16", "fp8"] = "fp32"
     """How Muon momentum is stored: "bf16" halves it, "fp8" (row-scaled) quarters it."""
-    adjust_lr_fn: Literal["original", "match_rms_adamw"] = "original"
+    adjust_lr_fn: Literal["original", "match_rms_adamw", "spectral_unclamped"] = "original"
     """"original": scale by sqrt(max(1, rows/cols)); "match_rms_adamw": 0.2*sqrt(max(rows, cols)),
-    which lets Muon reuse an AdamW learning rate."""
+    which lets Muon reuse an AdamW learning rate; "spectral_unclamped": sqrt(rows/cols), below 1
+    for wide matrices (torchtitan 0.3.0 DistMuon's)."""
     exchange_memory_mb: float | None = None
     """Per-GPU MiB for the exchange buffers of the rounds in flight (pieces, whole matrices on
     their owners, Newton-Schulz workspace, return buffers); unset: 8192. A round always holds
@@ -73,11 +76,17 @@ class Optimizer:
     """DeMo across replicas (docs/demo.md): each data_parallel_replicate replica keeps its own
     momentum and the replicas exchange only its top demo_topk DCT coefficients per demo_chunk ×
     demo_chunk chunk instead of all-reducing gradients. Needs data_parallel_replicate_degree >= 2
-    and nesterov = false; momentum is DeMo's β (the paper used 0.999)."""
+    and the other settings as they are (momentum, nesterov: those of the shared momentum, see
+    demo_shared_momentum; momentum_dtype "fp32")."""
     demo_chunk: int = demo_math.DEFAULT_CHUNK
     demo_topk: int = demo_math.DEFAULT_TOPK
     demo_alpha: float = demo_math.DEFAULT_ALPHA
-    """Share of what was sent that is subtracted from the momentum (error feedback)."""
+    """Share of what was sent that is subtracted from the replica's own buffer (error feedback);
+    1 (the default): the buffer keeps only what was not sent."""
+    demo_shared_momentum: bool = demo_math.DEFAULT_SHARED_MOMENTUM
+    """Keep a momentum (coefficient momentum, Nesterov per nesterov) over the replicas' average,
+    the same on every replica, and orthogonalize it instead of the fresh average (issue 27).
+    false: DeMo as published, which needs nesterov = false."""
     hierarchical_exchange: Literal["auto", "on", "off"] = "auto"
     """Run Muon's all-to-alls within nodes, then across them along rails ((ranks per node - 1) +
     (nodes - 1) peers per rank instead of W - 1); "auto": for exchange groups of more than 256
@@ -148,7 +157,7 @@ def validate_optimizer_config(config: Any) -> None:
         fail("qk_clip_tau", "a positive number")
     if not _is_number(config.qk_clip_alpha) or not 0 <= config.qk_clip_alpha <= 1:
         fail("qk_clip_alpha", "in [0, 1]")
-    for key in ("nesterov", "overlap", "qk_clip", "demo"):
+    for key in ("nesterov", "overlap", "qk_clip", "demo", "demo_shared_momentum"):
         if not isinstance(getattr(config, key), bool):
             fail(key, "true or false")
     if config.qk_clip and config.name != "Muon":
@@ -201,9 +210,13 @@ def _validate_demo(config: Any, fail) -> None:
         demo_math.validate_settings(config.demo_chunk, config.demo_topk, config.demo_alpha)
     except ValueError as error:
         raise ValueError(f"[optimizer] {error}") from None
-    if config.nesterov:
-        raise ValueError("[optimizer] demo = true needs nesterov = false: DeMo orthogonalizes the replicas' average as it is")
+    if config.nesterov and not config.demo_shared_momentum:
+        raise ValueError(
+            "[optimizer] demo = true with demo_shared_momentum = false needs nesterov = false: without the shared "
+            "momentum DeMo orthogonalizes the replicas' average as it is (set nesterov = false, or leave "
+            "demo_shared_momentum = true: Nesterov then runs on the shared momentum)"
+        )
     if config.overlap:
-        raise ValueError("[optimizer] demo = true does not support overlap = true yet")
+        raise ValueError("[optimizer] demo = true does not support overlap = true yet: set overlap = false")
     if config.momentum_dtype != "fp32":
         fail("momentum_dtype", '"fp32" with demo = true (the momentum is DeMo\'s error feedback)')

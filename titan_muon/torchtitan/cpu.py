@@ -17,10 +17,17 @@ treated as CUDA. Everything needed to train without a GPU lives in this module:
    integer expert indices, which torch implements on CUDA but not on CPU, and with expert
    parallel it lays tokens out per expert with a Triton kernel (``generate_permute_indices``)
    whose CPU version torchtitan ships but does not select.
+4. :func:`use_cpu_device` also lets ``[checkpoint] async_mode = "async_with_pinned_mem"`` run
+   (:func:`stage_checkpoints_without_accelerator`): torchtitan builds torch's ``DefaultStager``
+   with pinned memory and non-blocking copies, which torch refuses without an accelerator. On
+   the CPU the stager keeps the rest of that mode: the copy into shared memory on a background
+   thread while the next step's forward and backward run (torchtitan waits for it before the
+   optimizer step), and the write from a separate process.
 
 On a CUDA machine none of this is used.
 """
 
+import dataclasses
 import functools
 import importlib
 import os
@@ -88,6 +95,7 @@ def use_cpu_device() -> None:
     )
     count_integers_on_cpu()
     permute_tokens_on_cpu()
+    stage_checkpoints_without_accelerator()
 
 
 def rebind_device(module_names) -> None:
@@ -136,6 +144,30 @@ def permute_tokens_on_cpu() -> None:
     utils = importlib.import_module("torchtitan.models.moe.utils")  # torchtitan 0.2.x
     kernels = importlib.import_module("torchtitan.models.moe.kernels")
     utils.generate_permute_indices = functools.partial(kernels.generate_permute_indices, use_cpu=True)
+
+
+def stage_checkpoints_without_accelerator(module_name: str = "torchtitan.components.checkpoint") -> None:
+    """torchtitan builds ``DefaultStager(StagingOptions(True, True, True, True))`` for
+    ``async_with_pinned_mem`` (0.2.x in ``torchtitan.components.checkpoint``, 0.3.0 in
+    ``torchtitan.components.checkpointer.dcp``); without an accelerator torch refuses non-blocking
+    copies ("Non-blocking copy requires that the current accelerator is available") and has no
+    pinned memory. Rebinds the name that module imported to one that turns those two options off
+    when no accelerator is available and keeps shared memory and async staging."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    checkpoint = importlib.import_module(module_name)
+    original = checkpoint.DefaultStager
+    if getattr(original, "stages_without_accelerator", False):
+        return
+
+    def stager(config: StagingOptions | None = None) -> DefaultStager:
+        config = StagingOptions() if config is None else config
+        if not torch.accelerator.is_available():
+            config = dataclasses.replace(config, use_pinned_memory=False, use_non_blocking_copy=False)
+        return original(config)
+
+    stager.stages_without_accelerator = True
+    checkpoint.DefaultStager = stager
 
 
 def force_sum_reductions(model_parts: list[nn.Module]) -> None:

@@ -170,3 +170,30 @@ def read_scalars(dump_folder: str, tag: str) -> dict[int, float]:
 
 def read_losses(dump_folder: str) -> dict[int, float]:
     return read_scalars(dump_folder, "loss_metrics/global_avg_loss")
+
+
+def read_checkpoint(path: str) -> dict[str, object]:
+    """Every entry of the DCP checkpoint folder ``path``, read in this process (no process group):
+    ``{"optimizer/state.layers.0.attention.wq.weight.momentum_buffer": tensor, ...}``, the
+    sharded tensors whole. For comparing two checkpoints entry by entry."""
+    import tempfile
+
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as scratch:
+        whole = os.path.join(scratch, "checkpoint.pt")
+        dcp_to_torch_save(path, whole)
+        loaded = torch.load(whole, weights_only=False)
+
+    flat: dict[str, object] = {}
+
+    def walk(prefix: str, value) -> None:
+        if isinstance(value, dict):
+            for key, item in value.items():
+                walk(f"{prefix}/{key}" if prefix else str(key), item)
+        else:
+            flat[prefix] = value
+
+    walk("", loaded)
+    return flat

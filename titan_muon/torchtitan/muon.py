@@ -12,6 +12,7 @@ from typing import Any
 import torch.nn as nn
 
 from titan_muon import Muon, build_param_groups
+from titan_muon.metrics import merge_part_metrics
 from titan_muon.param_groups import fqn_pattern
 from titan_muon.split import RowBlocks, attention_row_blocks
 
@@ -44,6 +45,7 @@ def muon_kwargs(config: Any) -> dict[str, Any]:
         demo_chunk=config.demo_chunk,
         demo_topk=config.demo_topk,
         demo_alpha=config.demo_alpha,
+        demo_shared_momentum=config.demo_shared_momentum,
         hierarchical_exchange={"auto": "auto", "on": True, "off": False}[config.hierarchical_exchange],
         ranks_per_node=config.ranks_per_node,
     )
@@ -87,12 +89,7 @@ def describe_row_blocks(model: nn.Module, blocks: dict[str, RowBlocks]) -> str:
 
 
 def merged_step_metrics(optimizers: list[Muon]) -> dict[str, float]:
-    """The last step's Muon metrics over model parts: with several (pipeline parallel), bytes,
-    times and FLOPs are summed over parts and the other values averaged."""
-    per_part = [opt.last_step_metrics for opt in optimizers]
-    merged: dict[str, float] = {}
-    for key in per_part[0]:
-        values = [metrics.get(key, 0.0) for metrics in per_part]
-        additive = any(word in key for word in ("bytes", "time", "flops"))
-        merged[key] = sum(values) if additive else sum(values) / len(values)
-    return merged
+    """The last step's Muon metrics over model parts (several per rank under pipeline
+    parallel), each merged by its rule (titan_muon.metrics.PART_MERGE_RULES): amounts summed,
+    peaks the largest, ratios weighted by what they are per."""
+    return merge_part_metrics([opt.last_step_metrics for opt in optimizers])

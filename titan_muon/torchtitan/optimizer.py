@@ -31,6 +31,7 @@ from titan_muon.torchtitan.muon import (  # noqa: F401
 )
 from titan_muon.torchtitan.qk_clip import QKClipAfterStep
 from titan_muon.torchtitan.replicas import check_replicas
+from titan_muon.verdict import agreeing_model_parts
 
 
 class MuonOptimizersContainer(QKClipAfterStep, OptimizersContainer):
@@ -51,6 +52,12 @@ class MuonOptimizersContainer(QKClipAfterStep, OptimizersContainer):
         params = [p for model in model_parts for p in model.parameters() if p.requires_grad]
         self._post_init(params, kwargs)
         self._build_qk_clips(model_parts, config, parallel_dims)
+
+    def step(self, *args, **kwargs) -> None:
+        """Every model part, after all parts' gradients were agreed on together (several parts per
+        rank under interleaved schedules: all skip, raise or step as one); then MuonClip."""
+        with agreeing_model_parts(self.optimizers):
+            super().step(*args, **kwargs)
 
     @staticmethod
     def _build(model: nn.Module, config: Any, kwargs: dict[str, Any], pipeline: bool = False) -> Muon:

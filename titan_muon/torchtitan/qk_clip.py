@@ -8,8 +8,12 @@ A max logit must be reduced over exactly the ranks that hold the same attention 
   ``dp_replicate``, ``fsdp`` and ``tp`` mesh dimensions (one MAX all-reduce each), never the
   ``pp`` dimension: stages hold different layers. A model part without attention (a stage of
   norm + output) is skipped alike on every rank of its stage;
-* context parallel: refused. Each rank's attention sees only its slice of the sequence, so
-  recorded maxima would miss the query/key pairs across slices.
+* context parallel (torchtitan 0.2.2, SDPA or FlexAttention): each rank's attention sees only
+  its slice of the sequence, so the recorder gathers every CP rank's keys and masks them by
+  their global positions (:class:`~titan_muon.attention_logits.ContextParallelSequence`, built
+  here from the ``cp`` mesh and torchtitan's load balancer). The reduction group already
+  includes the CP ranks: torchtitan's ``fsdp`` dimension is ``dp_shard`` times ``cp``.
+  torchtitan 0.3.0 under context parallel is still refused (:func:`refuse_context_parallel_030`).
 
 :class:`QKClipAfterStep` is the part of an optimizers container (torchtitan 0.2.2's and 0.3.0's
 alike) that builds the clips for its model parts and runs them after each step.
@@ -22,23 +26,48 @@ import torch.distributed as dist
 import torch.nn as nn
 from torchtitan.distributed import ParallelDims
 
+from titan_muon.attention_logits import ContextParallelSequence
 from titan_muon.clip import QKClip, QKClipMetrics, build_qk_clips, read_metrics
 
 STAGE_DIMS = ("dp_replicate", "fsdp", "tp")
 
 
-def refuse_context_parallel(context_parallel_degree: int) -> None:
+DEFAULT_CONTEXT_PARALLEL_LOAD_BALANCER = "headtail"
+"""torchtitan 0.2.2's default ``[parallelism] context_parallel_load_balancer`` (its SDPA sharding)."""
+
+
+def refuse_context_parallel_030(context_parallel_degree: int) -> None:
+    """torchtitan 0.3.0 shards the sequence its own way, which the recorder has not been taught."""
     if context_parallel_degree > 1:
         raise ValueError(
-            f"[optimizer] qk_clip = true cannot be used with [parallelism] context_parallel_degree = {context_parallel_degree}: "
-            "under context parallelism each rank's attention sees only its slice of the queries and keys, so the "
-            "recorded max logits would miss the pairs across slices. Set qk_clip = false or context_parallel_degree = 1."
+            f"optimizer.qk_clip cannot be used with parallelism.context_parallel_degree = {context_parallel_degree} "
+            "under torchtitan 0.3.0: the max-logit recorder reads torchtitan 0.2.2's context-parallel sequence layout "
+            "only, and with another layout it would miss or mis-mask query/key pairs across ranks. Set qk_clip = false, "
+            "context_parallel_degree = 1, or use torchtitan 0.2.2."
         )
 
 
+def context_parallel_sequence(
+    parallel_dims: ParallelDims, load_balancer: str | None = DEFAULT_CONTEXT_PARALLEL_LOAD_BALANCER
+) -> ContextParallelSequence | None:
+    """How the sequence is cut over this rank's ``cp`` mesh, or None without context parallel."""
+    if parallel_dims.cp <= 1:
+        return None
+    return ContextParallelSequence(parallel_dims.get_mesh("cp").get_group(), load_balancer)
+
+
+def use_context_parallel_load_balancer(qk_clips: Sequence[QKClip | None], load_balancer: str | None) -> None:
+    """Tell clips built by :func:`build_model_part_qk_clips` (which sees only the optimizer config, so
+    assumes torchtitan's default) the run's ``[parallelism] context_parallel_load_balancer``."""
+    for clip in qk_clips:
+        if clip is not None and clip.recorder.context_parallel is not None:
+            group = clip.recorder.context_parallel.group
+            clip.recorder.context_parallel = ContextParallelSequence(group, load_balancer)
+
+
 def qk_clip_group(parallel_dims: ParallelDims) -> list[dist.ProcessGroup] | None:
-    """The groups whose product is this rank's pipeline stage; None (the world) without PP."""
-    refuse_context_parallel(parallel_dims.cp)
+    """The groups whose product is this rank's pipeline stage; None (the world) without PP.
+    Both hold the context-parallel ranks (``fsdp`` is ``dp_shard`` x ``cp``)."""
     if not parallel_dims.pp_enabled:
         return None
     meshes = (parallel_dims.get_optional_mesh(name) for name in STAGE_DIMS)
@@ -51,6 +80,7 @@ def build_model_part_qk_clips(
     """One QKClip per model part (None where a pipeline stage's part has no attention)."""
     group = None if parallel_dims is None else qk_clip_group(parallel_dims)
     pipeline = parallel_dims is not None and parallel_dims.pp_enabled
+    context_parallel = None if parallel_dims is None else context_parallel_sequence(parallel_dims)
     return build_qk_clips(
         model_parts,
         config.qk_clip_tau,
@@ -58,6 +88,7 @@ def build_model_part_qk_clips(
         group,
         fused={"auto": None, "kernel": True, "blocks": False}[config.qk_clip_recording],
         allow_parts_without_attention=pipeline,
+        context_parallel=context_parallel,
     )
 
 

@@ -21,7 +21,7 @@ from titan_muon.torchtitan import cpu
 from titan_muon.torchtitan.checkpoint import check_before_resume, checkpoint_io_error
 from titan_muon.torchtitan.config import validate_optimizer_config
 from titan_muon.torchtitan.pipeline import check_pipeline_loss, set_global_valid_tokens
-from titan_muon.torchtitan.qk_clip import record_only_stage_forwards
+from titan_muon.torchtitan.qk_clip import record_only_stage_forwards, use_context_parallel_load_balancer
 from titan_muon.torchtitan.replicas import replica_tokens
 
 
@@ -50,8 +50,11 @@ class Trainer(TorchTitanTrainer):
         validate_optimizer_config(job_config.optimizer)  # before minutes of setup, not after
         super().__init__(job_config)
         check_pipeline_loss(self.loss_fn, self.parallel_dims.pp_enabled, job_config.model.name)
+        qk_clips = getattr(self.optimizers, "qk_clips", [])
         if self.parallel_dims.pp_enabled:
-            record_only_stage_forwards(self.pp_schedule, getattr(self.optimizers, "qk_clips", []))
+            record_only_stage_forwards(self.pp_schedule, qk_clips)
+        # before the first forward: the clips were built knowing only the optimizer config
+        use_context_parallel_load_balancer(qk_clips, job_config.parallelism.context_parallel_load_balancer)
         if cpu.should_use_cpu():
             cpu.force_sum_reductions(self.model_parts)
 

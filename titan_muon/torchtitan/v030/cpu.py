@@ -13,7 +13,9 @@ torchtitan 0.3.0 is released against torch 2.14; on torch 2.13 and without a GPU
 3. :func:`use_cpu_device` (CPU): torchtitan reads the device once, at import, as
    ``_get_available_device_type() or "cuda"``; the modules that imported that choice are pointed
    at the CPU (and thus gloo), as titan_muon.torchtitan.cpu does for 0.2.2, and ``torch.histc``
-   counts integers on CPU (MoE token counts per expert).
+   counts integers on CPU (MoE token counts per expert), and ``[checkpoint] async_mode =
+   "async_with_pinned_mem"`` stages without pinned memory and non-blocking copies, which torch
+   refuses without an accelerator (:func:`titan_muon.torchtitan.cpu.stage_checkpoints_without_accelerator`).
 4. :func:`titan_muon.torchtitan.cpu.force_sum_reductions` (CPU, after the model is sharded):
    torchtitan turns FSDP's gradient division off, and FSDP then asks gloo for ``PREMUL_SUM``,
    which gloo lacks; with a factor of 1 a SUM is the same math.
@@ -41,6 +43,7 @@ from titan_muon.torchtitan.cpu import (  # noqa: F401
     count_integers_on_cpu,
     force_sum_reductions,
     rebind_device,
+    stage_checkpoints_without_accelerator,
 )
 
 # the torchtitan 0.3.0 modules that import device_type / device_module from torchtitan.tools.utils
@@ -116,6 +119,7 @@ def _concatenated_kwargs(kwarg_mbs: list[dict]) -> dict:
 def use_cpu_device() -> None:
     rebind_device(DEVICE_MODULES)
     count_integers_on_cpu()
+    stage_checkpoints_without_accelerator("torchtitan.components.checkpointer.dcp")
 
 
 def use_sdpa_attention(config) -> list[str]:

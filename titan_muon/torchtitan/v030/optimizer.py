@@ -22,14 +22,15 @@ Any stock recipe switches to it with one flag::
     --override.imports 'titan_muon.torchtitan.v030.optimizer.muon={"lr": 0.02, "ns_steps": 5}'
 
 :func:`muon` takes the recipe's catch-all AdamW settings (lr, betas, eps, weight decay) for
-Muon's AdamW groups; Muon's own lr is the Config default (0.02) unless given.
+Muon's AdamW groups only (``adamw_lr``, ``beta1``/``beta2``, ``eps``, ``adamw_weight_decay``);
+Muon's own lr and weight decay are the Config defaults (0.02, 0.1) unless given.
 
 With ``qk_clip = true`` it runs MuonClip after every step exactly as the 0.2.2 container does
 (the same :class:`titan_muon.torchtitan.qk_clip.QKClipAfterStep`): max logits recorded by hooks on
 each attention's inner attention, one MAX all-reduce over the ranks that hold the same layers, the
 clip of the q and k rows (fused ``qkv_linear.wqkv`` or separate ``wq`` / ``wk``, MLA's ``wq`` /
-``wq_b`` and ``wkv_b``), and the ``qk_clip/*`` metrics. Context parallel is refused
-(titan_muon.torchtitan.v030.trainer).
+``wq_b`` and ``wkv_b``), and the ``qk_clip/*`` metrics. Context parallel is refused under 0.3.0
+(titan_muon.torchtitan.v030.trainer; 0.2.2 records it).
 
 Pipeline parallel: 0.3.0 builds the container without the parallel dims, which the 0.2.2 container
 gets at construction. A stage's container knows it is one from its model parts (torchtitan's split
@@ -61,6 +62,7 @@ from titan_muon.torchtitan.config import validate_optimizer_config
 from titan_muon.torchtitan.metrics import time_optimizer_steps
 from titan_muon.torchtitan.muon import build_muon, merged_step_metrics, muon_kwargs
 from titan_muon.torchtitan.qk_clip import QKClipAfterStep
+from titan_muon.verdict import agreeing_model_parts
 
 
 def _copied(f: dataclasses.Field) -> tuple[str, Any, dataclasses.Field]:
@@ -157,7 +159,8 @@ class MuonOptimizersContainer(QKClipAfterStep, OptimizersContainer):
                 "or a Trainer.Config from titan_muon.torchtitan.v030), or call optimizers.use_parallel_dims("
                 "parallel_dims) after building the trainer"
             )
-        super().step(*args, **kwargs)
+        with agreeing_model_parts(self.optimizers):  # several parts per rank skip, raise or step as one
+            super().step(*args, **kwargs)
 
     @property
     def last_step_metrics(self) -> dict[str, float]:
@@ -185,7 +188,9 @@ def check_config(config: MuonOptimizersContainer.Config) -> None:
         raise ValueError("optimizer.optimizer_factory_kwargs_by_name has no meaning for titan_muon's Muon")
 
 
-_STOCK_KEYS = {"lr": "adamw_lr", "eps": "eps", "weight_decay": "weight_decay"}
+# The recipe's AdamW settings go to Muon's AdamW groups only: Config.eps, beta1 and beta2 are the
+# AdamW groups' already; lr and weight_decay are Muon's own, so AdamW's go to adamw_lr / adamw_weight_decay.
+_STOCK_KEYS = {"lr": "adamw_lr", "eps": "eps", "weight_decay": "adamw_weight_decay"}
 
 
 def stock_adamw_settings(config: OptimizersContainer.Config) -> dict[str, Any]:

@@ -25,7 +25,7 @@ from torchtitan.components.checkpointer import CheckpointManager
 from torchtitan.trainer import Trainer
 
 from titan_muon.torchtitan.checkpoint import check_before_resume, checkpoint_io_error
-from titan_muon.torchtitan.qk_clip import record_only_stage_forwards, refuse_context_parallel
+from titan_muon.torchtitan.qk_clip import record_only_stage_forwards, refuse_context_parallel_030
 from titan_muon.torchtitan.v030 import cpu
 from titan_muon.torchtitan.v030.optimizer import MuonOptimizersContainer, check_config
 
@@ -35,7 +35,7 @@ def check_supported(config: Trainer.Config) -> None:
         return
     check_config(config.optimizer)
     if config.optimizer.qk_clip:
-        refuse_context_parallel(config.parallelism.context_parallel_degree)  # as with 0.2.2
+        refuse_context_parallel_030(config.parallelism.context_parallel_degree)
         if not config.training.disable_cuda_graphs:
             raise ValueError(
                 "optimizer.qk_clip records max attention logits with Python hooks in the forward, which a CUDA "
