@@ -42,7 +42,9 @@ from replay import Hardware, RankResult, replay
 from step_trace import Collective, Parallelism, Trace, bytes_per_muon_element, trace_rank
 
 ROOT = Path(__file__).resolve().parents[1]
-CUDA_DEFAULTS = {"comm_dtype": "bf16", "ns_dtype": "bf16", "compile_elementwise": True}  # what "auto"/None resolve to on CUDA
+# Muon's defaults: on meta, "auto" settings resolve as on CUDA (settings.on_accelerator): bf16 wire,
+# standard NS in bf16, Gram NS in fp16, element-wise passes compiled (traced as one kernel each).
+CUDA_DEFAULTS: dict = {}
 
 H100 = Hardware()
 # GB300 (Blackwell Ultra): 2.5 PFLOP/s dense bf16 per GPU, HBM3e 8 TB/s, NVLink 5 at 900 GB/s per
@@ -410,7 +412,7 @@ def table(rows: Sequence[Row]) -> list[str]:
     lines = [
         ("| model | layout | W | GPU | step ms | ideal ms | step / ideal | bound ms | step / bound | NS ms | NS busiest / mean | compute ms "
          "| wire ms | host ms | one communicator ms | AdamW-only step ms | MiB sent per rank "
-         "| peak transient MiB per rank | bytes per Muon element: shard / owner / commit = total | rounds | kernels per rank | host reads |"),
+         "| peak transient MiB per rank | bytes per Muon element: shard / owner / commit = total (inside NS) | rounds | kernels per rank | host reads |"),
         "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
@@ -429,7 +431,7 @@ def table(rows: Sequence[Row]) -> list[str]:
 def _per_element(sides: dict | None) -> str:
     if not sides:
         return "–"
-    return f"{sides['shard']:.0f} / {sides['owner']:.0f} / {sides['commit']:.0f} = {sides['total']:.0f}"
+    return f"{sides['shard']:.0f} / {sides['owner']:.0f} / {sides['commit']:.0f} = {sides['total']:.0f} (NS phase {sides['newton_schulz']:.0f})"
 
 
 def _cpu_name() -> str:

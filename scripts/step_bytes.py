@@ -9,7 +9,7 @@ passes eager (several torch ops each) and compiled (one kernel each, as on CUDA 
 next to fused AdamW's 28 (fp32 weight, gradient and two moments read, three written back).
 Newton–Schulz's matrix products are not counted: they are the work itself.
 
-    python scripts/step_bytes.py                          # Llama-3 8B, W = 8, CUDA settings
+    python scripts/step_bytes.py                          # Llama-3 8B, W = 8, Muon's CUDA defaults
     python scripts/step_bytes.py --model "Llama-3 70B" --world 64 --ranks 8
 """
 
@@ -34,16 +34,17 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     muon, adamw = stage_params(PRESETS[args.model])
     muon = [(name, shape) for name, shape in muon if int(name.split(".")[1]) < args.layers]
-    print(f"{args.model}, {args.layers} layers, W = {args.world}, CUDA settings {CUDA_DEFAULTS}")
-    print("| element-wise passes | shard | owner | commit | total B per Muon element |")
-    print("|---|---:|---:|---:|---:|")
+    print(f"{args.model}, {args.layers} layers, W = {args.world}, Muon's defaults as on CUDA {CUDA_DEFAULTS or ''}")
+    print("| element-wise passes | shard | owner | commit | total B per Muon element | inside the NS phase, beside its GEMMs |")
+    print("|---|---:|---:|---:|---:|---:|")
     for compiled in (False, True):
         settings = {**CUDA_DEFAULTS, "compile_elementwise": compiled}
         traces = [trace_rank(rank, args.world, muon, adamw, **settings) for rank in range(args.ranks or args.world)]
         sides = bytes_per_muon_element(traces)
         label = "compiled (one kernel each)" if compiled else "eager (torch ops)"
-        print(f"| {label} | {sides['shard']:.1f} | {sides['owner']:.1f} | {sides['commit']:.1f} | {sides['total']:.1f} |")
-    print("| fused AdamW, for comparison | | | | 28 |")
+        print(f"| {label} | {sides['shard']:.1f} | {sides['owner']:.1f} | {sides['commit']:.1f} | {sides['total']:.1f} | "
+              f"{sides['newton_schulz']:.1f} |")
+    print("| fused AdamW, for comparison | | | | 28 | |")
 
 
 if __name__ == "__main__":

@@ -172,19 +172,23 @@ def _writes(func, args, kwargs, out) -> int:
     return _bytes((out, written))
 
 
-# Where the step's element-wise work happens, by the phases its kernels run in. Newton–Schulz's
-# matrix products (kernels with FLOPs) are not counted: they are the work itself.
+# Where the step's element-wise work happens, by the phases its kernels run in: the three sides
+# of the step around Newton–Schulz, and inside NS the passes that are not its matrix products
+# (normalization, casts, the symmetric products' assembly). Kernels with FLOPs — the matrix
+# products — are not counted: they are the work itself.
 STEP_SIDES = {
     "shard": ("pack",),  # momentum and Nesterov input, written into the send buffer
-    "owner": ("assemble", "owner_momentum", "demo", "newton_schulz", "scale", "disassemble"),  # arrivals to NS to the return buffer
+    "owner": ("assemble", "owner_momentum", "demo", "scale", "disassemble"),  # arrivals to NS, NS's result to the return buffer
     "commit": ("unpack", "stage_commit", "commit"),  # momentum, weight decay and the update
+    "newton_schulz": ("newton_schulz",),  # inside NS, beside its matrix products
 }
+BEYOND_NS = ("shard", "owner", "commit")
 
 
 def bytes_per_muon_element(traces: list[Trace]) -> dict[str, float]:
     """Bytes the traced steps' kernels read and write per Muon element, by side of the step
-    (``STEP_SIDES``) and in all, over the traced ranks together (owners' work and shards balance
-    across ranks, not on each one)."""
+    (``STEP_SIDES``), and "total" over the sides beyond the NS phase, over the traced ranks
+    together (owners' work and shards balance across ranks, not on each one)."""
     elements = sum(t.muon_elements for t in traces)
     sides = {side: 0 for side in STEP_SIDES}
     for trace in traces:
@@ -194,7 +198,7 @@ def bytes_per_muon_element(traces: list[Trace]) -> dict[str, float]:
                 if side is not None:
                     sides[side] += event.bytes
     per_element = {side: moved / max(elements, 1) for side, moved in sides.items()}
-    return {**per_element, "total": sum(per_element.values())}
+    return {**per_element, "total": sum(per_element[side] for side in BEYOND_NS)}
 
 
 @contextlib.contextmanager

@@ -178,14 +178,25 @@ def test_transient_memory_is_bounded_by_the_window():
 class _Allocations(TorchDispatchMode):
     """Records every op that returns a new tensor of more than one element: an op that neither
     writes into one of its arguments nor returns a view of one. (0-dim results — the weight
-    decay factor — are a few bytes.)"""
+    decay factor — are a few bytes.) Ops inside a ``titan_muon/fused`` range are not recorded:
+    on an accelerator that range is one compiled element-wise kernel writing straight into its
+    output (update.Elementwise), and only on ``meta`` its ops run one by one."""
 
     def __init__(self):
         super().__init__()
         self.allocating: list[str] = []
+        self.ranges: list[str] = []  # the open profiler ranges, innermost last
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if func.namespace == "profiler":
+            if "enter" in func.__name__:
+                self.ranges.append(args[0])
+            elif self.ranges:
+                self.ranges.pop()
+            return out
+        if any(name.startswith("titan_muon/fused:") for name in self.ranges):
+            return out
         schema = func._schema
         writes = any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
         views = any(r.alias_info is not None for r in schema.returns)

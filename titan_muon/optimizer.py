@@ -47,7 +47,7 @@ from titan_muon.split import RowBlocks
 from titan_muon.state import momentum_storage
 from titan_muon.timing import StepTimer, phase
 from titan_muon.transport import AcrossReplicas, Transport
-from titan_muon.update import elementwise_for
+from titan_muon.update import Elementwise
 from titan_muon.verdict import Verdict, agree_on_gradients
 
 
@@ -194,7 +194,7 @@ class Muon(Optimizer):
         comm = self.comm_dtype_setting
         self.comm_dtype = settings.auto_comm_dtype(self.ns_precision) if comm == "auto" else settings.resolve_dtype(comm, "comm_dtype", self.device)
         self.newton_schulz = Orthogonalizer(lambda: self.param_groups, self.ns_precision, self.device)
-        self.elementwise = elementwise_for(self.compile_elementwise, self.device)
+        self.elementwise = Elementwise(settings.compile_elementwise(self.compile_elementwise, self.device), self.device.type)
         if self.demo is not None:
             check_groups(self.param_groups, self.demo)
         self._names = [self.param_name(gi, pi) for gi, g in enumerate(self.param_groups) for pi in range(len(g["params"]))]

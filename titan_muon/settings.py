@@ -31,11 +31,23 @@ DEFAULT_NS_EPS = 1e-7  # torch.optim.Muon's
 OWNER_FIXED_BYTES = 8.0
 
 
+def on_accelerator(device: torch.device) -> bool:
+    """Whether "auto" settings choose for an accelerator: on CUDA, and on ``meta``, where the
+    meta-device suite and the step traces (scripts/step_trace.py) stand in for a GPU and must see
+    what it runs; elsewhere (CPU) they choose for a CPU."""
+    return device.type in ("cuda", "meta")
+
+
+def compile_elementwise(setting: bool | None, device: torch.device) -> bool:
+    """``compile_elementwise``: None compiles on accelerators only (update.py); True / False force it."""
+    return on_accelerator(device) if setting is None else bool(setting)
+
+
 def resolve_dtype(name: str, key: str, device: torch.device) -> torch.dtype:
     if name not in DTYPE_CHOICES:
         raise ValueError(f"titan_muon.Muon: {key}={name!r} is not supported; expected one of {DTYPE_CHOICES}")
     if name == "auto":  # bf16 where tensor cores make it fast, fp32 (exact) elsewhere
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return torch.bfloat16 if on_accelerator(device) else torch.float32
     return DTYPES[name]
 
 
@@ -46,7 +58,7 @@ def resolve_ns_precision(name: str, device: torch.device) -> NSPrecision:
     if name not in NS_DTYPE_CHOICES:
         raise ValueError(f"titan_muon.Muon: ns_dtype={name!r} is not supported; expected one of {NS_DTYPE_CHOICES}")
     if name == "auto":
-        return NSPrecision(torch.bfloat16, torch.float16) if device.type == "cuda" else NSPrecision(torch.float32, torch.float32)
+        return NSPrecision(torch.bfloat16, torch.float16) if on_accelerator(device) else NSPrecision(torch.float32, torch.float32)
     return NSPrecision(NS_DTYPES[name], NS_DTYPES[name])
 
 

@@ -150,8 +150,3 @@ class Elementwise:
         step = torch.full((), lr, dtype=torch.float32, device=device)
         for param, update in zip(params, updates):
             self._decay_and_step_(param, update, factor, step)
-
-
-def elementwise_for(setting: bool | None, device: torch.device) -> Elementwise:
-    """``compile_elementwise``: None compiles on CUDA only; True / False force it."""
-    return Elementwise(device.type == "cuda" if setting is None else bool(setting), device.type)
