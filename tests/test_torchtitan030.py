@@ -18,7 +18,9 @@ mla_muon.toml shows split = "fine", overlap, fp8 momentum and MuonClip at work, 
 MuonClip's recording is also checked in one process on 0.3.0's own attention modules (llama3 with
 fused or separate q/k/v, deepseek_v3 MLA; SDPA, and FlexAttention with its packed-document mask):
 the recorded max equals the max of the logits that reproduce the attention's output, and a clip
-brings the clipped heads to tau on a re-recording.
+brings the clipped heads to tau on a re-recording. Under context parallel 2 (2 gloo ranks, 0.3.0's own
+input sharding and CP wrapping of the inner attentions, an exact stand-in for the CP attention kernel,
+which torch has no CPU version of) the recorded per-head maxima equal the one-process ones.
 """
 
 import math
