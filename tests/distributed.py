@@ -158,3 +158,33 @@ class RankError(Exception):
     def __init__(self, errors: dict[int, str]):
         self.errors = errors
         super().__init__("\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items())))
+
+
+class GatherAlongSequence(torch.autograd.Function):
+    """(B, H, L, D) slices of every rank, concatenated along the sequence in rank order. Backward:
+    each rank's slice gets the sum over ranks of the gradients of its keys/values (an all-reduce of
+    the whole gradient, then this rank's slice: gloo has no reduce-scatter, and
+    torch.distributed.nn's all-to-all fallback gave wrong gradients for these non-contiguous slices)."""
+
+    @staticmethod
+    def forward(ctx, local, group):
+        ctx.group, ctx.local_len = group, local.shape[2]
+        slices = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(slices, local.contiguous(), group=group)
+        return torch.cat(slices, dim=2)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        start = dist.get_rank(ctx.group) * ctx.local_len
+        return grad[:, :, start : start + ctx.local_len], None
+
+
+def causal_mask_over_ranks(group, positions: torch.Tensor) -> torch.Tensor:
+    """(local queries, all keys) bool: which of every rank's keys (in :class:`GatherAlongSequence`'s
+    rank order) each of this rank's queries may attend to causally, from the global positions
+    ``positions`` (L,) that context parallel gave this rank's tokens."""
+    gathered = [torch.empty_like(positions) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, positions, group=group)
+    return torch.cat(gathered)[None, :] <= positions[:, None]

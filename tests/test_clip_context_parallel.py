@@ -25,7 +25,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from distributed import run_distributed
+from distributed import GatherAlongSequence, causal_mask_over_ranks, run_distributed
 from test_clip import SEQ, llama, mla, tokens
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.experimental._attention import (
@@ -149,27 +149,6 @@ def test_positional_causal_mask_equals_the_dense_max(block_bytes, dtype):
 # ---------------------------------------------------------------- CP 2 against CP 1
 
 
-class GatherAlongSequence(torch.autograd.Function):
-    """(B, H, L, D) slices of every rank, concatenated along the sequence in rank order. Backward:
-    each rank's slice gets the sum over ranks of the gradients of its keys/values (an all-reduce of
-    the whole gradient, then this rank's slice: gloo has no reduce-scatter, and
-    torch.distributed.nn's all-to-all fallback gave wrong gradients for these non-contiguous slices)."""
-
-    @staticmethod
-    def forward(ctx, local, group):
-        ctx.group, ctx.local_len = group, local.shape[2]
-        slices = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(slices, local.contiguous(), group=group)
-        return torch.cat(slices, dim=2)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)
-        start = dist.get_rank(ctx.group) * ctx.local_len
-        return grad[:, :, start : start + ctx.local_len], None
-
-
 class GatheredCausalSDPA(ScaledDotProductAttentionWrapper):
     """Exact causal attention of this rank's queries over every rank's keys and values (the test's
     stand-in for torch's ring attention, which has no CPU kernel): an autograd all-gather along the
@@ -178,9 +157,7 @@ class GatheredCausalSDPA(ScaledDotProductAttentionWrapper):
     def __init__(self, group, positions):
         super().__init__()
         self.group = group
-        gathered = [torch.empty_like(positions) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(gathered, positions, group=group)
-        self.allowed = torch.cat(gathered)[None, :] <= positions[:, None]  # (local queries, all keys)
+        self.allowed = causal_mask_over_ranks(group, positions)  # (local queries, all keys)
 
     def forward(self, q, k, v, *, scale=None, enable_gqa=False, is_causal=True):
         q, k, v = (t.to_local() if isinstance(t, DTensor) else t for t in (q, k, v))

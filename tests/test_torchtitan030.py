@@ -18,7 +18,9 @@ mla_muon.toml shows split = "fine", overlap, fp8 momentum and MuonClip at work, 
 MuonClip's recording is also checked in one process on 0.3.0's own attention modules (llama3 with
 fused or separate q/k/v, deepseek_v3 MLA; SDPA, and FlexAttention with its packed-document mask):
 the recorded max equals the max of the logits that reproduce the attention's output, and a clip
-brings the clipped heads to tau on a re-recording.
+brings the clipped heads to tau on a re-recording. Under context parallel 2 (2 gloo ranks, 0.3.0's own
+input sharding and CP wrapping of the inner attentions, an exact stand-in for the CP attention kernel,
+which torch has no CPU version of) the recorded per-head maxima equal the one-process ones.
 """
 
 import math
@@ -43,11 +45,22 @@ from dataclasses import fields  # noqa: E402
 from types import SimpleNamespace  # noqa: E402
 
 import torch.distributed.checkpoint as dcp  # noqa: E402
-from distributed import one_sequence_corpus, tiny_run_flags, trainer_flags  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from distributed import (  # noqa: E402
+    GatherAlongSequence,
+    causal_mask_over_ranks,
+    one_sequence_corpus,
+    run_distributed,
+    tiny_run_flags,
+    trainer_flags,
+)
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
 from torch.nn.attention.flex_attention import flex_attention  # noqa: E402
 from torchtitan.components.checkpointer import CheckpointManager  # noqa: E402
 from torchtitan.config import ConfigManager, apply_overrides  # noqa: E402
+from torchtitan.distributed import ParallelDims  # noqa: E402
+from torchtitan.distributed.context_parallel import apply_cp_to_forward, prepare_context_parallel_input  # noqa: E402
 from torchtitan.models.common.attention import FlexAttention  # noqa: E402
 
 from titan_muon.attention_layers import find_attention_layers  # noqa: E402
@@ -71,6 +84,8 @@ from titan_muon.torchtitan.launch import (  # noqa: E402
     start,
     torchrun_command,
 )
+from titan_muon.attention_logits import ContextParallelSequence  # noqa: E402
+from titan_muon.torchtitan.qk_clip import use_context_parallel_load_balancer  # noqa: E402
 from titan_muon.torchtitan.v030 import cpu  # noqa: E402
 from titan_muon.torchtitan.v030.launch import parse  # noqa: E402
 from titan_muon.torchtitan.v030.models import llama3_gqa, model_spec  # noqa: E402
@@ -183,9 +198,11 @@ def test_every_shipped_toml_builds_a_030_config(name):
     check_supported(config)
 
 
-def test_qk_clip_is_refused_under_0_3_0_context_parallel_and_with_cuda_graphs():
+def test_qk_clip_is_refused_under_0_3_0_context_parallel_flex_and_with_cuda_graphs():
+    check_supported(parse(["--job.config_file", MUON, "--parallelism.context_parallel_degree", "2"]))  # SDPA on CPU
     config = parse(["--job.config_file", MUON, "--parallelism.context_parallel_degree", "2"])
-    with pytest.raises(ValueError, match="qk_clip cannot be used with parallelism.context_parallel_degree = 2 under torchtitan 0.3.0"):
+    config.model_spec.model.layers[0].attention.inner_attention = FlexAttention.Config()
+    with pytest.raises(ValueError, match="context_parallel_degree = 2 and FlexAttention under torchtitan 0.3.0"):
         check_supported(config)
     config = parse(["--job.config_file", MUON, "--training.no-disable_cuda_graphs"])
     with pytest.raises(ValueError, match="qk_clip records max attention logits with Python hooks"):
@@ -269,6 +286,84 @@ def test_recorded_max_is_the_max_of_the_logits_softmax_sees(name, attention, eag
         torch.testing.assert_close((logits.softmax(-1) @ v64).transpose(1, 2), output.double(), rtol=1e-4, atol=1e-5)
         expected = logits.amax(dim=(0, 2, 3))
         torch.testing.assert_close(qk_clip.recorder.max_logits[index].double(), expected, rtol=1e-5, atol=1e-6)
+
+
+class GatheredCausalSDPA030:
+    """The test's stand-in for the SDPA kernel that torch's context parallel runs on GPUs (none on CPU):
+    exact causal attention of this rank's queries over every rank's keys and values, on 0.3.0's
+    (B, L, heads, head_dim) inputs, masked by the global positions torchtitan gave this rank's tokens.
+    It takes the place of the inner attention's own forward, which 0.3.0's ``apply_cp_to_forward``
+    then wraps exactly as in a CP run (q, k, v made DTensors sharded along the sequence)."""
+
+    def __init__(self, group, positions):
+        self.group, self.allowed = group, causal_mask_over_ranks(group, positions)
+
+    def __call__(self, q, k, v, *, attention_masks=None, scale=None, enable_gqa=False, is_causal=True, **kwargs):
+        assert attention_masks is None and is_causal
+        q, k, v = (t.to_local() if isinstance(t, DTensor) else t for t in (q, k, v))
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, L, D)
+        k, v = (GatherAlongSequence.apply(t, self.group) for t in (k, v))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=self.allowed, scale=scale, enable_gqa=enable_gqa)
+        return out.transpose(1, 2)
+
+
+def _context_parallel_run_030(rank, world, name, load_balancer):
+    cpu.use_cpu_device()
+    model = attention_model(name, "sdpa")  # the same seeded weights on every rank
+    tokens = batch(model, "sdpa")[0]  # (2, 64): the same whole sequences on every rank
+    positions = torch.arange(tokens.shape[1]).repeat(tokens.shape[0], 1)
+
+    # CP 1: the whole sequence in one process, recorded by a QKClip without context parallel.
+    reference_clip = QKClip(model)
+    reference_output = forward(model, tokens, {"positions": positions})
+    reference_s = reference_clip.recorder.max_logits.clone()
+    reference_clip.remove()
+
+    # CP `world`: this rank's slice, cut by torchtitan 0.3.0; its CP wrapping of the inner attentions.
+    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=world, tp=1, pp=1, ep=1, world_size=world)
+    cp_mesh = dims.get_mesh("cp")
+    local_tokens, _, extra = prepare_context_parallel_input(
+        tokens, tokens.clone(), {"positions": positions}, cp_mesh, torch.device("cpu"), load_balancer
+    )
+    inner = [block.attention.inner_attention for block in model.layers.values()]
+    for module in inner:
+        module.forward = GatheredCausalSDPA030(cp_mesh.get_group(), extra["positions"][0])
+    apply_cp_to_forward(inner, cp_mesh)
+    # As titan_muon's 0.3.0 trainer wires it: the container's clips rebuilt from the parallel dims,
+    # then told the run's load balancer.
+    optimizers = MuonOptimizersContainer(MuonOptimizersContainer.Config(qk_clip=True), model_parts=[model])
+    optimizers.use_parallel_dims(dims)
+    use_context_parallel_load_balancer(optimizers.qk_clips, load_balancer)
+    (qk_clip,) = optimizers.qk_clips
+    assert qk_clip.recorder.context_parallel == ContextParallelSequence(cp_mesh.get_group(), load_balancer)
+    output = forward(model, local_tokens, extra)
+    return {
+        "reference_s": reference_s,
+        "s": qk_clip.recorder.all_reduce().clone(),  # MAX over the CP ranks, as reduce_and_clip does
+        "local_positions": extra["positions"][0],
+        "reference_output": reference_output,
+        "output": output,
+    }
+
+
+@pytest.mark.parametrize("name, load_balancer", [("llama3", "headtail"), ("mla", "headtail"), ("llama3", None)])
+def test_context_parallel_records_as_one_process(name, load_balancer):
+    """CP 2 on 0.3.0's own models, its sequence cut and its CP wrapping of the inner attentions:
+    the per-head maxima recorded on the ranks' slices equal those of one process over the whole
+    sequence. Only the attention kernel is the test's (see GatheredCausalSDPA030): torch 2.13's
+    context-parallel SDPA has no CPU kernel, so a real 0.3.0 CP run cannot train on CPU."""
+    results = run_distributed(_context_parallel_run_030, 2, name, load_balancer, timeout=300.0)
+    for result in results:
+        # The stand-in attention is exact: each rank's logits are the whole-sequence run's at its
+        # positions (fp32; explicit mask vs is_causal kernel: rounding ~1e-7 relative per operation).
+        expected_output = result["reference_output"][:, result["local_positions"]]
+        torch.testing.assert_close(result["output"], expected_output, rtol=1e-4, atol=1e-5)
+        # Every (layer, head) maximum: the same fp32 dot products of q and k rows that agree to
+        # rounding (the layers before ran the two kernels above), well below 1e-5 relative for
+        # these logits of O(0.1..1); a pair missed across ranks would change a maximum by far more.
+        assert torch.isfinite(result["reference_s"]).all()
+        torch.testing.assert_close(result["s"], result["reference_s"], rtol=1e-5, atol=1e-6)
+    assert torch.equal(results[0]["s"], results[1]["s"])
 
 
 @pytest.mark.parametrize("name, kind", [("llama3", "fused_wqkv"), ("llama3_unfused", "gqa"), ("mla", "mla")])

@@ -8,12 +8,13 @@ A max logit must be reduced over exactly the ranks that hold the same attention 
   ``dp_replicate``, ``fsdp`` and ``tp`` mesh dimensions (one MAX all-reduce each), never the
   ``pp`` dimension: stages hold different layers. A model part without attention (a stage of
   norm + output) is skipped alike on every rank of its stage;
-* context parallel (torchtitan 0.2.2, SDPA or FlexAttention): each rank's attention sees only
+* context parallel (torchtitan 0.2.2, SDPA or FlexAttention; 0.3.0, SDPA): each rank's attention sees only
   its slice of the sequence, so the recorder gathers every CP rank's keys and masks them by
   their global positions (:class:`~titan_muon.attention_logits.ContextParallelSequence`, built
   here from the ``cp`` mesh and torchtitan's load balancer). The reduction group already
   includes the CP ranks: torchtitan's ``fsdp`` dimension is ``dp_shard`` times ``cp``.
-  torchtitan 0.3.0 under context parallel is still refused (:func:`refuse_context_parallel_030`).
+  torchtitan 0.3.0 cuts the sequence alike; its FlexAttention under context parallel is
+  refused (:func:`refuse_context_parallel_030`).
 
 :class:`QKClipAfterStep` is the part of an optimizers container (torchtitan 0.2.2's and 0.3.0's
 alike) that builds the clips for its model parts and runs them after each step.
@@ -36,14 +37,24 @@ DEFAULT_CONTEXT_PARALLEL_LOAD_BALANCER = "headtail"
 """torchtitan 0.2.2's default ``[parallelism] context_parallel_load_balancer`` (its SDPA sharding)."""
 
 
-def refuse_context_parallel_030(context_parallel_degree: int) -> None:
-    """torchtitan 0.3.0 shards the sequence its own way, which the recorder has not been taught."""
-    if context_parallel_degree > 1:
+def refuse_context_parallel_030(context_parallel_degree: int, flex_attention: bool) -> None:
+    """Refuse what the recorder cannot read of torchtitan 0.3.0's context parallel: FlexAttention.
+
+    0.3.0 (``apply_cp_to_forward``) replaces each inner attention's ``forward`` by a wrapper. Under
+    SDPA the wrapper only wraps this rank's q, k and v as DTensors sharded along the sequence, cut
+    as 0.2.2 cuts it (the same ``_HeadTailLoadBalancer``, or contiguous slices): the recorder's
+    hook, which runs before it, sees this rank's plain slices and gathers the keys itself, as
+    under 0.2.2. Under FlexAttention the wrapper all-gathers the keys itself, after that hook, and
+    the sharded BlockMask numbers them in that gathered order: the hook would see this rank's keys
+    only, which 0.2.2's FlexAttention path (keys gathered before the hook) does not handle.
+    """
+    if context_parallel_degree > 1 and flex_attention:
         raise ValueError(
             f"optimizer.qk_clip cannot be used with parallelism.context_parallel_degree = {context_parallel_degree} "
-            "under torchtitan 0.3.0: the max-logit recorder reads torchtitan 0.2.2's context-parallel sequence layout "
-            "only, and with another layout it would miss or mis-mask query/key pairs across ranks. Set qk_clip = false, "
-            "context_parallel_degree = 1, or use torchtitan 0.2.2."
+            "and FlexAttention under torchtitan 0.3.0: 0.3.0 all-gathers the keys inside the attention's wrapped "
+            "forward, after the max-logit recorder's hook, which would see this rank's keys only and miss every "
+            "query/key pair across ranks. Use SDPA attention (context_parallel_load_balancer = 'headtail' or none), "
+            "set qk_clip = false or context_parallel_degree = 1, or use torchtitan 0.2.2."
         )
 
 

@@ -29,8 +29,9 @@ With ``qk_clip = true`` it runs MuonClip after every step exactly as the 0.2.2 c
 (the same :class:`titan_muon.torchtitan.qk_clip.QKClipAfterStep`): max logits recorded by hooks on
 each attention's inner attention, one MAX all-reduce over the ranks that hold the same layers, the
 clip of the q and k rows (fused ``qkv_linear.wqkv`` or separate ``wq`` / ``wk``, MLA's ``wq`` /
-``wq_b`` and ``wkv_b``), and the ``qk_clip/*`` metrics. Context parallel is refused under 0.3.0
-(titan_muon.torchtitan.v030.trainer; 0.2.2 records it).
+``wq_b`` and ``wkv_b``), and the ``qk_clip/*`` metrics. Under context parallel (SDPA; FlexAttention
+is refused by titan_muon.torchtitan.v030.trainer) :meth:`use_parallel_dims` rebuilds the clips with
+the ``cp`` mesh's sequence layout, and the trainer tells them the run's load balancer.
 
 Pipeline parallel: 0.3.0 builds the container without the parallel dims, which the 0.2.2 container
 gets at construction. A stage's container knows it is one from its model parts (torchtitan's split
@@ -136,20 +137,25 @@ class MuonOptimizersContainer(QKClipAfterStep, OptimizersContainer):
         pipeline group (a non-finite gradient in any stage raises or skips in every stage) and
         MuonClip's max logits reduced over this rank's stage only. Call once, before the first step."""
         self.parallel_dims = parallel_dims
+        if parallel_dims.cp_enabled and not parallel_dims.pp_enabled:  # the clips' sequence layout
+            self._rebuild_qk_clips(parallel_dims)
         if not parallel_dims.pp_enabled:
             return
         pipeline_group = parallel_dims.get_mesh("pp").get_group()
         for optimizer in self.optimizers:
             optimizer.set_pipeline_group(pipeline_group)
-        for qk_clip in self.qk_clips:
-            if qk_clip is not None:
-                qk_clip.remove()
-        self._build_qk_clips(self.model_parts, self.config, parallel_dims)
+        self._rebuild_qk_clips(parallel_dims)
         logger.info(
             f"titan_muon Muon under pipeline parallel: stages agree on non-finite gradients with ranks "
             f"{dist.get_process_group_ranks(pipeline_group)}"
             + (", MuonClip reduces max logits within the stage" if self.config.qk_clip else "")
         )
+
+    def _rebuild_qk_clips(self, parallel_dims: ParallelDims) -> None:
+        for qk_clip in self.qk_clips:
+            if qk_clip is not None:
+                qk_clip.remove()
+        self._build_qk_clips(self.model_parts, self.config, parallel_dims)
 
     def step(self, *args, **kwargs) -> None:
         if self.pipeline_stage and self.parallel_dims is None:

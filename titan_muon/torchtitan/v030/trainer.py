@@ -13,6 +13,9 @@ runs it too. As the 0.2.2 trainer (titan_muon.torchtitan.trainer) does, it also:
   stage), MuonClip reduces max logits over its stage and records only the schedule's real
   forwards. The pipeline loss needs no fix, unlike 0.2.2's (titan_muon.torchtitan.pipeline):
   0.3.0 hands the step's token count to the loss inside the schedule;
+* under context parallel (SDPA), builds MuonClip's recorder with the ``cp`` mesh's sequence layout
+  and the run's ``context_parallel_load_balancer``, as the 0.2.2 trainer does (FlexAttention under
+  context parallel is refused: :func:`~titan_muon.torchtitan.qk_clip.refuse_context_parallel_030`);
 * checks the checkpoint it is about to resume from before loading it (shards whole, model and
   optimizer state fitting this run: titan_muon.torchtitan.checkpoint), and turns a failed
   checkpoint write into one error naming the folder.
@@ -22,10 +25,15 @@ from dataclasses import dataclass, fields
 
 from torch.distributed.checkpoint.api import CheckpointException
 from torchtitan.components.checkpointer import CheckpointManager
+from torchtitan.models.common.attention import FlexAttention
 from torchtitan.trainer import Trainer
 
 from titan_muon.torchtitan.checkpoint import check_before_resume, checkpoint_io_error
-from titan_muon.torchtitan.qk_clip import record_only_stage_forwards, refuse_context_parallel_030
+from titan_muon.torchtitan.qk_clip import (
+    record_only_stage_forwards,
+    refuse_context_parallel_030,
+    use_context_parallel_load_balancer,
+)
 from titan_muon.torchtitan.v030 import cpu
 from titan_muon.torchtitan.v030.optimizer import MuonOptimizersContainer, check_config
 
@@ -35,7 +43,8 @@ def check_supported(config: Trainer.Config) -> None:
         return
     check_config(config.optimizer)
     if config.optimizer.qk_clip:
-        refuse_context_parallel_030(config.parallelism.context_parallel_degree)
+        flex = any(True for _ in config.traverse(FlexAttention.Config))
+        refuse_context_parallel_030(config.parallelism.context_parallel_degree, flex)
         if not config.training.disable_cuda_graphs:
             raise ValueError(
                 "optimizer.qk_clip records max attention logits with Python hooks in the forward, which a CUDA "
@@ -61,6 +70,8 @@ class MuonTrainer(Trainer):
             cpu.force_sum_reductions(self.model_parts)
         if isinstance(self.optimizers, MuonOptimizersContainer):
             self.optimizers.use_parallel_dims(self.parallel_dims)  # 0.3.0 built it without them
+            # before the first forward: the clips' context-parallel layout takes the run's load balancer
+            use_context_parallel_load_balancer(self.optimizers.qk_clips, config.parallelism.context_parallel_load_balancer)
         if self.parallel_dims.pp_enabled:
             cpu.accept_microbatch_lists(self.pp_schedule)
             record_only_stage_forwards(self.pp_schedule, getattr(self.optimizers, "qk_clips", []))
