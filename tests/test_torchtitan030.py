@@ -307,6 +307,31 @@ class GatheredCausalSDPA030:
         return out.transpose(1, 2)
 
 
+def _context_parallel_without_parallel_dims_030(rank, world):
+    cpu.use_cpu_device()
+    model = attention_model("llama3", "sdpa")
+    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=world, tp=1, pp=1, ep=1, world_size=world)
+    apply_cp_to_forward([block.attention.inner_attention for block in model.layers.values()], dims.get_mesh("cp"))
+    optimizers = MuonOptimizersContainer(MuonOptimizersContainer.Config(qk_clip=True), model_parts=[model])
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    try:
+        optimizers.step()
+        outcome = ""
+    except RuntimeError as error:
+        outcome = str(error)
+    unchanged = all(torch.equal(before[n], p) for n, p in model.named_parameters())
+    return {"outcome": outcome, "unchanged": unchanged}
+
+
+def test_context_parallel_without_the_parallel_dims_refuses_to_step():
+    """A stock Trainer never hands the container the parallel dims: under context parallel the
+    clips would record each rank's slice alone and miss the pairs across ranks. The container sees
+    0.3.0's CP wrapping of the inner attentions and refuses to step, on every rank, before anything."""
+    for result in run_distributed(_context_parallel_without_parallel_dims_030, 2, timeout=300.0):
+        assert "needs the sequence layout" in result["outcome"] and "use_parallel_dims" in result["outcome"]
+        assert result["unchanged"]
+
+
 def _context_parallel_run_030(rank, world, name, load_balancer):
     cpu.use_cpu_device()
     model = attention_model(name, "sdpa")  # the same seeded weights on every rank

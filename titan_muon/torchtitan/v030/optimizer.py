@@ -127,6 +127,12 @@ class MuonOptimizersContainer(QKClipAfterStep, OptimizersContainer):
         params = [p for opt in self.optimizers for group in opt.param_groups for p in group["params"]]
         self._validate_params(params)
         self._post_init(params)
+        # torchtitan 0.3.0 wraps each inner attention's forward for context parallel before the
+        # optimizer is built; MuonClip then records each rank's sequence slice and needs the CP
+        # layout from use_parallel_dims (a stock Trainer never calls it: refuse to step, below).
+        self.context_parallel_model = any(
+            getattr(module.__dict__.get("forward"), "__name__", "") == "cp_forward" for part in model_parts for module in part.modules()
+        )
         self.qk_clips, self.qk_clip_metrics = [], []
         if not self.pipeline_stage:  # the world reduces max logits: every rank holds every layer
             self._build_qk_clips(model_parts, config)
@@ -164,6 +170,14 @@ class MuonOptimizersContainer(QKClipAfterStep, OptimizersContainer):
                 "0.3.0 does not hand to the optimizer: train with titan_muon's trainer (python -m titan_muon.train, "
                 "or a Trainer.Config from titan_muon.torchtitan.v030), or call optimizers.use_parallel_dims("
                 "parallel_dims) after building the trainer"
+            )
+        if self.config.qk_clip and self.context_parallel_model and self.parallel_dims is None:
+            raise RuntimeError(
+                "titan_muon's MuonClip under context parallel needs the sequence layout, which torchtitan 0.3.0 does "
+                "not hand to the optimizer (without it each rank's max logits miss the query-key pairs across ranks): "
+                "train with titan_muon's trainer (python -m titan_muon.train, or a Trainer.Config from "
+                "titan_muon.torchtitan.v030), or call optimizers.use_parallel_dims(parallel_dims) after building the "
+                "trainer; or set qk_clip = false"
             )
         with agreeing_model_parts(self.optimizers):  # several parts per rank skip, raise or step as one
             super().step(*args, **kwargs)
