@@ -461,8 +461,9 @@ def render(rows: Sequence[Row], command: str, elapsed_s: float) -> str:
         (f"Written by `{command}` on {_cpu_name()} (2 cores), {datetime.date.today().isoformat()}, torch "
         f"{torch.__version__}, in {elapsed_s / 60:.0f} min. Replaying model: `scripts/step_trace.py` traces each "
         "rank's `Muon.step()` on `meta` over torch's fake process group (titan_muon's own planning, exchange, "
-        "Newton–Schulz and commit, at the settings a CUDA run gets by default: bf16 on the wire and in "
-        "Newton–Schulz, standard NS as `ns_algorithm=\"auto\"` picks in bf16, fp32 momentum, 8 GiB exchange memory, "
+        "Newton–Schulz and commit, at the settings a CUDA run gets by default: bf16 on the wire, Gram NS in fp16 where "
+        "`ns_algorithm=\"auto\"` picks it (MLP, k/v, expert shapes) and standard NS in bf16 elsewhere, element-wise passes "
+        "compiled (each traced as one kernel), fp32 momentum, 8 GiB exchange memory, "
         "2 rounds in flight, no overlap); `scripts/replay.py` replays all ranks' traces with a host clock, one "
         "compute stream and one in-order stream per communicator per rank (its docstring has the rules, "
         "`Hardware` every rate and its source). Checked by `tests/test_simulate_scale.py`."),
@@ -541,16 +542,18 @@ FINDINGS = """## What the replay shows
   expert matrices travel. Kimi K2's stage sends up to 1,711 MiB per rank, 136 MiB of them dense
   shards: about 28 of its 288 expert matrices (10 %), 4.6 ms on NVLink 5, under NS. DP8 EP8 on 128
   experts puts the same experts on the same ranks as FSDP2's `Shard(0)` over 8 ranks, and replays
-  to the same 130.4 ms as the FSDP stand-in it replaces.
-- **The MoE steps on GB300 are as much memory-bound as NS-bound.** At 65 % of 2.5 PFLOP/s Qwen3's
-  NS takes 60 ms; the elementwise passes over the rank's 3.7 B parameters at 6.4 TB/s take as
-  long: the Nesterov input computed without writing the momentum (two lerps, since nothing may
-  change before every rank got through), its bf16 cast, packing and assembling, and the commit's
-  momentum lerp. 10.5 k kernels per rank (per-matrix eager ops over 2,300 expert matrices) cost
-  75 ms of host time, hidden under the compute. Kimi K2's traced stage (16 MoE layers, 4.3 B
-  parameters per rank) spends 140 ms in NS and 69 ms in elementwise work. The lever there is one
-  fused elementwise pass per matrix batch (read gradient and momentum once, write the bf16 NS input
-  and the staged momentum), not the schedule; the calibration rows compare both with NVIDIA's.
+  to the same step as the FSDP stand-in it replaced (wave 3).
+- **The MoE steps on GB300: the element-wise work is now a third of NS, not its equal.** Wave 3
+  replayed Qwen3's step with 64.8 ms of element-wise passes beside NS (two lerps and a cast for the
+  Nesterov input, fp32 round trips around NS, a separate scale, the commit's passes: 98 bytes per
+  Muon element). With the passes compiled (one kernel each), arrivals fed to NS in their wire dtype
+  and NS's result scaled in its own dtype (46 bytes per element beyond NS), and Gram NS in fp16 where
+  it is faster, Qwen3's busiest rank computes 116.5 ms: 83.0 ms of NS and 33.5 ms of other work
+  (fp16 Gram NS's own normalization and symmetric-product assembly included). Kimi K2's traced
+  stage: 127.9 ms of NS, 34.7 ms of other work. About 9 k kernels per rank cost 63 ms of host
+  time on Qwen3, hidden under the compute. What is left: the commit's momentum lerp, which
+  recomputes what packing computed (writing it there needs the streaming step), and the NS
+  phase's casts and concatenations (docs/performance.md, "Bytes per Muon element").
 
 ## Limits of the model
 
