@@ -318,7 +318,7 @@ class BackwardOverlap:
             if superseded is not None:
                 superseded.exchange.wait()
             exchange = self.engine.launch(r, torch.float32, lambda piece, slot: slot.zero_(), StepFailure(), MemoryAccount())
-            self.launches[r] = Launch(exchange, torch.zeros(0), False)
+            self.launches[r] = Launch(exchange, torch.zeros(0, dtype=torch.float64, device=device), False)
             self.started.append(r)
 
     def drain(self, learned: list[float] | None = None, world: int = 1) -> None:
