@@ -260,14 +260,24 @@ def _symmetric_addmm(bias: Tensor | None, m1: Tensor, m2: Tensor, beta: float = 
     if size < SYMMETRIC_SPLIT_MIN:
         return m1 @ m2 if bias is None else _addmm(bias, m1, m2, beta, alpha)
     h = size // 2
+    # The three blocks are written in place into the result (GEMMs take an output with a leading
+    # dimension), and only the mirrored quarter is copied: no concatenation pass over the matrix.
+    out = torch.empty(*m1.shape[:-1], m2.size(-1), dtype=m1.dtype, device=m1.device)
 
-    def block(rows: slice, cols: slice) -> Tensor:
-        a, b = m1[..., rows, :], m2[..., :, cols]
-        return a @ b if bias is None else _addmm(bias[..., rows, cols], a, b, beta, alpha)
+    def block(rows: slice, cols: slice) -> None:
+        a, b, target = m1[..., rows, :], m2[..., :, cols], out[..., rows, cols]
+        if bias is None:
+            torch.matmul(a, b, out=target)
+        elif bias.ndim == 3:
+            torch.baddbmm(bias[..., rows, cols], a, b, beta=beta, alpha=alpha, out=target)
+        else:
+            torch.addmm(bias[..., rows, cols], a, b, beta=beta, alpha=alpha, out=target)
 
     top, bottom = slice(None, h), slice(h, None)
-    upper = block(top, bottom)
-    return torch.cat([torch.cat([block(top, top), upper], -1), torch.cat([upper.mT, block(bottom, bottom)], -1)], -2)
+    for rows, cols in ((top, top), (top, bottom), (bottom, bottom)):
+        block(rows, cols)
+    out[..., bottom, top].copy_(out[..., top, bottom].mT)
+    return out
 
 
 def _symmetric_flops(rows: int, inner: int) -> int:
