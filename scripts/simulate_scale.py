@@ -548,12 +548,11 @@ FINDINGS = """## What the replay shows
   Nesterov input, fp32 round trips around NS, a separate scale, the commit's passes: 98 bytes per
   Muon element). With the passes compiled (one kernel each), arrivals fed to NS in their wire dtype
   and NS's result scaled in its own dtype (46 bytes per element beyond NS), and Gram NS in fp16 where
-  it is faster, Qwen3's busiest rank computes 116.5 ms: 83.0 ms of NS and 33.5 ms of other work
-  (fp16 Gram NS's own normalization and symmetric-product assembly included). Kimi K2's traced
-  stage: 127.9 ms of NS, 34.7 ms of other work. About 9 k kernels per rank cost 63 ms of host
-  time on Qwen3, hidden under the compute. What is left: the commit's momentum lerp, which
+  it is faster, Qwen3's busiest rank computes 98.5 ms: 65.0 ms of NS and 33.5 ms of other work
+  (fp16 Gram NS's own normalization included). Kimi K2's traced stage: 112.0 ms of NS, 34.7 ms of
+  other work. About 9 k kernels per rank cost 57 ms of host time on Qwen3, hidden under the compute. What is left: the commit's momentum lerp, which
   recomputes what packing computed (writing it there needs the streaming step), and the NS
-  phase's casts and concatenations (docs/performance.md, "Bytes per Muon element").
+  phase's casts (docs/performance.md, "Bytes per Muon element").
 
 ## Limits of the model
 
