@@ -36,6 +36,14 @@ def _sharded_module(mesh, names=tuple(SHAPES)):
     return module
 
 
+def _all_groups(named: dict) -> list[dict]:
+    """Every matrix in one Muon group from the start, the rest in AdamW (no group added later)."""
+    return [
+        {"params": [(n, named[n]) for n in (*FIRST_MUON, *LATER_MUON)]},
+        {"params": [(n, named[n]) for n in ADAMW], "use_muon": False},
+    ]
+
+
 def _backward(module, step, mesh):
     """A backward whose gradients are the one-process run's (grads_for): loss = Σ <p, g>, so
     each parameter's post-accumulate-grad hook fires as under FSDP2."""
@@ -170,10 +178,7 @@ def _hooks_after_loads(rank, world, loads):
     mesh = init_device_mesh("cpu", (world,))
     module = _sharded_module(mesh)
     named = dict(module.named_parameters())
-    groups = [
-        {"params": [(n, named[n]) for n in (*FIRST_MUON, *LATER_MUON)]},
-        {"params": [(n, named[n]) for n in ADAMW], "use_muon": False},
-    ]
+    groups = _all_groups(named)
     opt = Muon(groups, overlap=True, **SETTINGS)
     sends = [_backward_all_to_alls(module, 0, mesh)]
     opt.step()
@@ -204,10 +209,7 @@ def _frozen_parameter(rank, world, overlap):
     module = _sharded_module(mesh)
     named = dict(module.named_parameters())
     named["b"].requires_grad_(False)  # frozen: never gets a gradient
-    groups = [
-        {"params": [(n, named[n]) for n in (*FIRST_MUON, *LATER_MUON)]},
-        {"params": [(n, named[n]) for n in ADAMW], "use_muon": False},
-    ]
+    groups = _all_groups(named)
     opt = Muon(groups, overlap=overlap, **SETTINGS)
     sent_in_backward = []
     for step in range(3):
@@ -245,10 +247,7 @@ def _gradient_on_some_ranks(rank, world, overlap):
     mesh = init_device_mesh("cpu", (world,))
     module = _sharded_module(mesh)
     named = dict(module.named_parameters())
-    groups = [
-        {"params": [(n, named[n]) for n in (*FIRST_MUON, *LATER_MUON)]},
-        {"params": [(n, named[n]) for n in ADAMW], "use_muon": False},
-    ]
+    groups = _all_groups(named)
     opt = Muon(groups, overlap=overlap, **SETTINGS)
     errors = []
     for step in range(3):
