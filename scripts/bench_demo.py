@@ -140,7 +140,7 @@ def read_all_ranks(dump: Path) -> dict[int, dict[str, dict[int, float]]]:
 
 
 def train(name: str, args) -> dict:
-    from titan_muon.torchtitan.launch import finish, log_tail, start, torchrun_command
+    from titan_muon.torchtitan.harness import finish, log_tail, start, torchrun_command
 
     dump = folder(name, args)
     shutil.rmtree(dump, ignore_errors=True)

@@ -22,7 +22,7 @@ import statistics
 import torch
 
 from titan_muon import Muon, orthogonalize
-from titan_muon.newton_schulz import newton_schulz_flops
+from titan_muon.algorithm.newton_schulz import newton_schulz_flops
 
 
 def timed(fn, device, repeats: int, warmup: int = 3) -> float:

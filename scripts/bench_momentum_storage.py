@@ -34,7 +34,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from titan_muon.state import momentum_storage, rounding_noise  # noqa: E402
+from titan_muon.state.momentum import momentum_storage, rounding_noise  # noqa: E402
 
 STORAGES = {
     "fp32": dict(momentum_dtype="fp32"),
@@ -81,9 +81,9 @@ def time_storages(rows: int, cols: int, repeats: int) -> dict[str, float]:
 
 
 def load_baseline(revision: str):
-    """titan_muon/state.py as of `revision`, imported as a separate module."""
+    """titan_muon/state/momentum.py as of `revision`, imported as a separate module."""
     source = subprocess.run(
-        ["git", "-C", str(REPO), "show", f"{revision}:titan_muon/state.py"], check=True, capture_output=True, text=True
+        ["git", "-C", str(REPO), "show", f"{revision}:titan_muon/state/momentum.py"], check=True, capture_output=True, text=True
     ).stdout
     path = Path(tempfile.mkdtemp()) / "baseline_state.py"
     path.write_text(source)

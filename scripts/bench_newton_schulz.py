@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from titan_muon.newton_schulz import coefficient_schedule, gram_iterations, newton_schulz_flops, orthogonalize
+from titan_muon.algorithm.newton_schulz import coefficient_schedule, gram_iterations, newton_schulz_flops, orthogonalize
 
 ROOT = Path(__file__).resolve().parents[1]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

@@ -33,10 +33,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from titan_muon import Muon
-from titan_muon.newton_schulz import orthogonalize
-from titan_muon.newton_schulz import newton_schulz_flops, resolve_algorithm
-from titan_muon.plan import shard_rows
-from titan_muon.update import Elementwise, update_scale
+from titan_muon.algorithm.newton_schulz import newton_schulz_flops, orthogonalize, resolve_algorithm
+from titan_muon.algorithm.update import Elementwise, update_scale
+from titan_muon.exchange.plan import shard_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 

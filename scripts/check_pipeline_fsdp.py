@@ -24,7 +24,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from titan_muon.torchtitan.launch import read_scalars, run_training  # noqa: E402
+from titan_muon.torchtitan.harness import read_scalars, run_training  # noqa: E402
 
 CONFIG = "train_configs/llama3_gqa_muon.toml"
 PP = ["--parallelism.pipeline_parallel_degree", "2"]

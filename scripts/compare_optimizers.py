@@ -21,7 +21,7 @@ sys.path.insert(0, str(REPO))
 
 from plotting import pyplot, require_matplotlib  # noqa: E402
 
-from titan_muon.torchtitan.launch import read_losses, run_training  # noqa: E402
+from titan_muon.torchtitan.harness import read_losses, run_training  # noqa: E402
 
 
 def smooth(values: list[float], weight: float) -> list[float]:

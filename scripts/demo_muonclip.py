@@ -21,7 +21,7 @@ sys.path.insert(0, str(REPO))
 
 from plotting import pyplot, require_matplotlib  # noqa: E402
 
-from titan_muon.torchtitan.launch import read_losses, read_scalars, run_training  # noqa: E402
+from titan_muon.torchtitan.harness import read_losses, read_scalars, run_training  # noqa: E402
 
 CONFIG = "train_configs/llama3_gqa_muon.toml"
 

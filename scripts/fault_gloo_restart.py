@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from titan_muon.torchtitan.launch import finish, start  # noqa: E402
+from titan_muon.torchtitan.harness import finish, start  # noqa: E402
 
 RANK_0_ADDRESS = "default_pg/0//cpu//0/0"  # where gloo publishes rank 0's address
 

@@ -27,8 +27,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from titan_muon.torchtitan.launch import (  # noqa: E402
-    child_pids, finish, read_losses, start, stop, torchrun_command, wait_for_log,
+from titan_muon.torchtitan.harness import (  # noqa: E402
+    child_pids,
+    finish,
+    read_losses,
+    start,
+    stop,
+    torchrun_command,
+    wait_for_log,
 )  # fmt: skip
 
 FAULT_TRAIN = ("scripts/fault_train.py",)

@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 from torchtitan.train import main
 
 from titan_muon.torchtitan import cpu
-from titan_muon.torchtitan.trainer import Trainer
+from titan_muon.torchtitan.v022.trainer import Trainer
 
 
 def fault_step(name: str) -> int | None:

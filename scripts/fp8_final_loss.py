@@ -17,7 +17,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from titan_muon.torchtitan.launch import read_losses, run_training  # noqa: E402
+from titan_muon.torchtitan.harness import read_losses, run_training  # noqa: E402
 
 
 def main() -> None:

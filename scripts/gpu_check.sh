@@ -43,7 +43,7 @@ for optimizer in muon adamw; do
 done
 python - "$out" <<'PY'
 import sys
-from titan_muon.torchtitan.launch import read_losses, read_scalars
+from titan_muon.torchtitan.harness import read_losses, read_scalars
 out = sys.argv[1]
 for name in ("muon", "adamw"):
     losses = read_losses(f"{out}/{name}")

@@ -21,8 +21,8 @@ import time
 
 import torch
 
-from titan_muon.newton_schulz import orthogonalize
-from titan_muon.state import momentum_storage
+from titan_muon.algorithm.newton_schulz import orthogonalize
+from titan_muon.state.momentum import momentum_storage
 
 BETA = 0.95
 SHAPES = ((128, 512), (32, 128))  # the MLP's two matrices: d_in 512, hidden 128, d_out 32

@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from titan_muon.attention_logits import (
+from titan_muon.attention.logits import (
     ContextParallelSequence,
     block_max_logits,
     context_parallel_max_logits,

@@ -25,13 +25,13 @@ import torch
 import torch.nn.functional as F
 from torchtitan.models.llama3 import Transformer, llama3_args
 
-from titan_muon.attention_logits import (
+from titan_muon.attention.clip import QKClip
+from titan_muon.attention.logits import (
     CPU_BLOCK_BYTES,
     block_budget,
     block_max_logits,
     block_rows,
 )
-from titan_muon.clip import QKClip
 
 SHAPES = [(4, 256), (1, 1024), (1, 2048)]
 BLOCK_BYTES = [1 << 18, 1 << 20, 1 << 22, 1 << 24, 1 << 26]

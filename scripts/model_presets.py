@@ -17,10 +17,10 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from titan_muon.layout import RankGrid, Sharding, sharding_of
-from titan_muon.newton_schulz import newton_schulz_flops
-from titan_muon.plan import Unit
-from titan_muon.split import row_block_ranges
+from titan_muon.algorithm.newton_schulz import newton_schulz_flops
+from titan_muon.attention.split import row_block_ranges
+from titan_muon.exchange.layout import RankGrid, Sharding, sharding_of
+from titan_muon.exchange.plan import Unit
 
 NS_STEPS = 5
 GPUS_PER_NODE = 8

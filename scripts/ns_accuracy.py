@@ -38,7 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from scripts.bench_newton_schulz import gram_with_runs, machine  # noqa: E402
-from titan_muon.newton_schulz import coefficient_schedule, orthogonalize  # noqa: E402
+from titan_muon.algorithm.newton_schulz import coefficient_schedule, orthogonalize  # noqa: E402
 
 VARIANTS = {  # label: (dtype, algorithm, or Gram NS's runs between restarts)
     "fp16 gram": (torch.float16, "gram"),
@@ -174,7 +174,7 @@ def main() -> None:
     target_route = args.targets or ("gram" if args.device == "cuda" else "svd")
     print(f"Command: `{' '.join(['python scripts/ns_accuracy.py', *sys.argv[1:]])}`  ")
     if args.device == "cuda":
-        from titan_muon.newton_schulz import symmetric_gemm_kernel
+        from titan_muon.algorithm.newton_schulz import symmetric_gemm_kernel
 
         kernel = symmetric_gemm_kernel("cuda", torch.cuda.current_device()) is not None
         print(f"Machine: {torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda}, "

@@ -29,7 +29,7 @@ from torch.nn import functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from titan_muon import Muon, build_param_groups  # noqa: E402
-from titan_muon.newton_schulz import NSPrecision  # noqa: E402
+from titan_muon.algorithm.newton_schulz import NSPrecision  # noqa: E402
 
 
 class Block(nn.Module):

@@ -276,7 +276,7 @@ def mib(n: float) -> str:
 
 def ns_flops_of(params: Sequence[tuple[str, tuple[int, ...]]]) -> float:
     """Newton–Schulz FLOPs of one step over these (name, shape) Muon parameters (5 standard steps)."""
-    from titan_muon.newton_schulz import newton_schulz_flops
+    from titan_muon.algorithm.newton_schulz import newton_schulz_flops
 
     total = 0
     for _, shape in params:

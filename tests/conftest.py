@@ -12,7 +12,6 @@ import os
 import platform
 
 import torch
-
 from distributed import THREADS_VARIABLE, apply_test_settings, deterministic_mode, threads_per_process
 
 

@@ -1,6 +1,6 @@
 """Independent one-process reference of DeMo-Muon (seed 002) over R simulated replicas.
 
-Written from the paper's description, not from titan_muon.demo: one chunk at a time in a plain
+Written from the paper's description, not from titan_muon.demo.dct: one chunk at a time in a plain
 loop, its own DCT-II matrix from the definition (double loop), selection by Python's sort on
 (−|c|, position), kept count per chunk from exact fractions, and each replica's sent part
 decoded on its own before the average. Only Newton–Schulz and the update scale come from
@@ -14,8 +14,8 @@ from fractions import Fraction
 
 import torch
 
-from titan_muon.newton_schulz import orthogonalize
-from titan_muon.update import update_scale
+from titan_muon.algorithm.newton_schulz import orthogonalize
+from titan_muon.algorithm.update import update_scale
 
 
 def reference_dct(size: int) -> torch.Tensor:

@@ -6,11 +6,11 @@ torchtitan (the test module imports it for its launches).
 
 import torch
 import torch.distributed as dist
+from common import grads_for, make_params
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from common import grads_for, make_params
 from titan_muon import Muon
 
 # Four ranks, two stages of two FSDP ranks each, as torchtitan lays out PP 2 x FSDP 2. The

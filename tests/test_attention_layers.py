@@ -1,4 +1,4 @@
-"""One attention-layer finder (titan_muon.attention_layers) for Muon Split, QK-clip and max-logit recording.
+"""One attention-layer finder (titan_muon.attention.layers) for Muon Split, QK-clip and max-logit recording.
 
 The models are torchtitan 0.2.2's own llama3 and deepseek_v3 debug models (built on the meta
 device: only names and shapes are read) and a stand-in for 0.3.0's fused ``qkv_linear.wqkv``.
@@ -26,10 +26,10 @@ from torchtitan.models.llama3.model.model import Transformer
 from torchtitan_layouts import V030Attention, V030Model
 
 import titan_muon
-from titan_muon.attention_layers import describe_attention, find_attention_layers
-from titan_muon.attention_logits import MaxLogitRecorder
-from titan_muon.clip import QKClip
-from titan_muon.split import attention_row_blocks
+from titan_muon.attention.clip import QKClip
+from titan_muon.attention.layers import describe_attention, find_attention_layers
+from titan_muon.attention.logits import MaxLogitRecorder
+from titan_muon.attention.split import attention_row_blocks
 
 
 def llama3_debug(n_kv_heads=None):
@@ -171,12 +171,12 @@ def test_an_unknown_attention_layout_is_named():
         attention_row_blocks(model)
 
 
-FINDER_USERS = ("attention_layers", "attention_logits", "clip", "split")
+FINDER_USERS = ("attention.layers", "attention.logits", "attention.clip", "attention.split")
 
 
 def titan_muon_imports(module_name):
     """(module-level imports, imports inside functions or classes) of titan_muon modules in a titan_muon file."""
-    tree = ast.parse(Path(titan_muon.__file__).with_name(f"{module_name}.py").read_text())
+    tree = ast.parse(Path(titan_muon.__file__).parent.joinpath(*module_name.split(".")).with_suffix(".py").read_text())
     top_level = {id(node) for node in tree.body}
     found = {True: set(), False: set()}
     for node in ast.walk(tree):
@@ -192,9 +192,10 @@ def test_the_finder_and_its_users_import_each_other_one_way_only():
     graph = {}
     for name in FINDER_USERS:
         module_level, local = titan_muon_imports(name)
-        assert not local, f"titan_muon/{name}.py imports {local} inside a function"
+        assert not local, f"titan_muon/{name.replace('.', '/')}.py imports {local} inside a function"
         graph[name] = {m.removeprefix("titan_muon.") for m in module_level} & set(FINDER_USERS)
-    assert graph == {"attention_layers": set(), "attention_logits": {"attention_layers"},
-                     "clip": {"attention_layers", "attention_logits"}, "split": {"attention_layers"}}  # fmt: skip
-    code = "import sys, titan_muon.attention_logits, titan_muon.split; assert 'titan_muon.clip' not in sys.modules"
+    assert graph == {"attention.layers": set(), "attention.logits": {"attention.layers"},
+                     "attention.clip": {"attention.layers", "attention.logits"},
+                     "attention.split": {"attention.layers"}}  # fmt: skip
+    code = "import sys, titan_muon.attention.logits, titan_muon.attention.split; assert 'titan_muon.attention.clip' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -40,8 +40,8 @@ from torchtitan.models.attention import FlexAttentionWrapper
 from torchtitan.models.llama3.infra.parallelize import _op_sac_save_list
 from torchtitan_layouts import V030Attention, V030InnerAttention
 
-from titan_muon import attention_logits
-from titan_muon.attention_logits import (
+from titan_muon.attention import logits as attention_logits
+from titan_muon.attention.logits import (
     ACCELERATOR_BLOCK_BYTES,
     CPU_BLOCK_BYTES,
     FlexKernelTap,

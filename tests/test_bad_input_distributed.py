@@ -2,11 +2,10 @@
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Partial, Shard
-
 from distributed import run_distributed
 from test_optimizer_distributed import SHAPES, _distributed_params, _optimizer, _set_grads
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Partial, Shard
 
 
 def _outcome(fn):

@@ -2,12 +2,11 @@
 
 import pytest
 import torch.distributed.checkpoint as dcp
+from distributed import run_distributed
+from test_optimizer_distributed import _distributed_params, _optimizer, _set_grads, check_equal_to_one_process
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
-
-from distributed import run_distributed
-from test_optimizer_distributed import _distributed_params, _optimizer, _set_grads, check_equal_to_one_process
 
 SAVED_STEPS = 3
 

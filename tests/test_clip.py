@@ -17,9 +17,9 @@ from torchtitan.models.llama3.model.args import TransformerModelArgs
 from torchtitan.models.llama3.model.model import Transformer
 
 from titan_muon import Muon, build_param_groups
-from titan_muon.attention_logits import MaxLogitRecorder, block_max_logits, block_rows
-from titan_muon.attention_layers import find_attention_layers
-from titan_muon.clip import QKClip, apply_qk_clip, build_qk_clips
+from titan_muon.attention.clip import QKClip, apply_qk_clip, build_qk_clips
+from titan_muon.attention.layers import find_attention_layers
+from titan_muon.attention.logits import MaxLogitRecorder, block_max_logits, block_rows
 
 VOCAB, SEQ = 64, 12
 

@@ -37,7 +37,8 @@ from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.context_parallel import prepare_context_parallel_input
 from torchtitan.models.attention import ScaledDotProductAttentionWrapper
 
-from titan_muon.attention_logits import (
+from titan_muon.attention.clip import QKClip
+from titan_muon.attention.logits import (
     ContextParallelSequence,
     MaxLogitRecorder,
     block_max_logits,
@@ -45,7 +46,6 @@ from titan_muon.attention_logits import (
     gathered_key_positions,
     sharded_sequence_positions,
 )
-from titan_muon.clip import QKClip
 from titan_muon.torchtitan.cpu import use_cpu_device
 from titan_muon.torchtitan.qk_clip import (
     build_model_part_qk_clips,

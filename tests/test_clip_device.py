@@ -10,6 +10,7 @@ from collections import Counter
 import pytest
 import torch
 import torch.distributed as dist
+from test_clip import MODELS, boost, tokens
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
@@ -19,9 +20,8 @@ from torchtitan.models.deepseek_v3.model.model import DeepSeekV3Model
 from torchtitan.models.llama3.model.args import TransformerModelArgs
 from torchtitan.models.llama3.model.model import Transformer
 
-from test_clip import MODELS, boost, tokens
-from titan_muon.attention_logits import ACCELERATOR_BLOCK_BYTES, MaxLogitRecorder, block_max_logits, held_rows
-from titan_muon.clip import QKClip, QKClipMetrics, read_metrics
+from titan_muon.attention.clip import QKClip, QKClipMetrics, read_metrics
+from titan_muon.attention.logits import ACCELERATOR_BLOCK_BYTES, MaxLogitRecorder, block_max_logits, held_rows
 
 aten = torch.ops.aten
 HOST_READS = {aten._local_scalar_dense.default, aten.equal.default, aten.is_nonzero.default}

@@ -8,15 +8,15 @@ split 18/18), wk 12 rows (KV head 1 = rows 4..8, split 6/6); MLA wq 36 rows (hea
 import pytest
 import torch
 import torch.distributed as dist
+from common import FP32_ULP, adamw_names, assert_within, feed_adamw_gradients, whole_gradients
+from distributed import run_distributed
+from test_clip import MODELS, Capture, boost, check_clipped_logits, tokens
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from common import FP32_ULP, adamw_names, assert_within, feed_adamw_gradients, whole_gradients
-from distributed import run_distributed
-from test_clip import MODELS, Capture, boost, check_clipped_logits, tokens
 from titan_muon import Muon, build_param_groups
-from titan_muon.clip import QKClip
+from titan_muon.attention.clip import QKClip
 
 WORLD, BATCH, STEPS = 2, 4, 2
 # (training tau, final tau): both between the boosted heads' logits and the rest's at that point.

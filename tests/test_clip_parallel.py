@@ -22,15 +22,15 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from distributed import run_distributed
+from test_clip import boost, llama, mla, tau_between, tokens
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from distributed import run_distributed
-from test_clip import boost, llama, mla, tau_between, tokens
-from titan_muon.attention_logits import held_rows
-from titan_muon.clip import QKClip, build_qk_clips, read_metrics
+from titan_muon.attention.clip import QKClip, build_qk_clips, read_metrics
+from titan_muon.attention.logits import held_rows
 
 BATCH = 4
 KINDS = {

@@ -10,11 +10,11 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
+from common import grads_for, make_params, run_titan
+from meta_device import DeviceAudit
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from common import grads_for, make_params, run_titan
-from meta_device import DeviceAudit
 from titan_muon import Muon
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (scripts/gpu_check.sh)")
@@ -77,7 +77,7 @@ def test_cuda_recording_reads_q_and_k_in_place():
     reads torchtitan's (B, L, H, D) views of q and k in place, so the peak extra memory is the
     logits buffer (within the 64 MiB budget) plus small terms, and the maxima equal a dense bf16
     reference within one bf16 ulp (fp32 accumulation in both, one rounding to bf16)."""
-    from titan_muon.attention_logits import (
+    from titan_muon.attention.logits import (
         ACCELERATOR_BLOCK_BYTES,
         block_max_logits,
         block_rows,

@@ -1,4 +1,4 @@
-"""titan_muon.demo (DeMo for Muon) against the independent loop reference in demo_reference.py.
+"""titan_muon.demo.dct (DeMo for Muon) against the independent loop reference in demo_reference.py.
 
 Rounding model used for every fp32 bound below (u = 2^-24 unit roundoff): a dot product of n
 terms computed in floating point in any order is within γ_n·Σ|a_i b_i| of the exact value,
@@ -10,14 +10,13 @@ terms). We use c = (2s + 3)·u for every chunk of a chunk size s (h, w ≤ s).
 
 from __future__ import annotations
 
-
 import pytest
 import torch
-
 from demo_reference import ReferenceDeMoMuon, chunk_corners, chunk_topk, kept_count, reference_dct, reference_send
-from titan_muon import demo
-from titan_muon.newton_schulz import orthogonalize
-from titan_muon.update import update_scale
+
+from titan_muon.algorithm.newton_schulz import orthogonalize
+from titan_muon.algorithm.update import update_scale
+from titan_muon.demo import dct as demo
 
 U32 = 2.0**-24
 U64 = 2.0**-53

@@ -10,19 +10,20 @@ import math
 
 import pytest
 import torch
+from common import FP32_ULP
+from demo_reference import ReferenceDeMoMuon
+from distributed import run_distributed
+from test_demo import U32, _transform_bounds
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from common import FP32_ULP
-from demo_reference import ReferenceDeMoMuon
-from distributed import run_distributed
-from test_demo import U32, _transform_bounds
-from titan_muon import Muon, demo
-from titan_muon.demo_step import SHARED_MOMENTUM_KEY
-from titan_muon.newton_schulz import orthogonalize
-from titan_muon.update import update_scale
+from titan_muon import Muon
+from titan_muon.algorithm.newton_schulz import orthogonalize
+from titan_muon.algorithm.update import update_scale
+from titan_muon.demo import dct as demo
+from titan_muon.demo.step import SHARED_MOMENTUM_KEY
 
 MUON = ("w1", "w2", "w3")
 ADAMW = ("bias", "head", "scale")

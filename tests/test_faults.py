@@ -26,7 +26,7 @@ from distributed import tiny_run_flags, trainer_flags
 from torchtitan.config import Checkpoint as CheckpointConfig
 
 from titan_muon.torchtitan.checkpoint import CheckpointError, check_before_resume
-from titan_muon.torchtitan.launch import (
+from titan_muon.torchtitan.harness import (
     REPO_ROOT,
     child_pids,
     finish,

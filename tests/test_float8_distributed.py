@@ -13,14 +13,14 @@ import copy
 
 import pytest
 import torch
+from distributed import run_distributed
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from distributed import run_distributed
 from titan_muon import Muon, build_param_groups
-from titan_muon.update import local_shard
+from titan_muon.algorithm.update import local_shard
 
 pytest.importorskip("torchao.float8", reason="float8 training needs torchao (the torchtitan extra)")
 

@@ -1,6 +1,6 @@
 """torchtitan 0.3.0's fused ``qkv_linear.wqkv``: Split and QK-clip equal their separate-wq/wk/wv results.
 
-The references are independent of titan_muon.fused_qkv: separate wq / wk / wv go through the
+The references are independent of titan_muon.attention.fused_qkv: separate wq / wk / wv go through the
 existing Split and QK-clip, and their results are interleaved into wqkv's row order by
 :func:`interleave` below, written from torchtitan 0.3.0's FusedQKVLinear (per KV group g: its
 query heads, then key head g, then value head g).
@@ -12,10 +12,10 @@ from torch import nn
 from torchtitan_layouts import V022Attention, V030Attention
 
 from titan_muon import Muon
-from titan_muon.attention_layers import find_attention_layers, query_projection
-from titan_muon.clip import QKClip, apply_qk_clip
-from titan_muon.fused_qkv import FusedQKVLayout
-from titan_muon.split import attention_row_blocks
+from titan_muon.attention.clip import QKClip, apply_qk_clip
+from titan_muon.attention.fused_qkv import FusedQKVLayout
+from titan_muon.attention.layers import find_attention_layers, query_projection
+from titan_muon.attention.split import attention_row_blocks
 
 DIM, HEADS, KV_HEADS, HEAD_DIM = 16, 6, 2, 4  # 3 query heads per KV head
 

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from distributed import run_distributed
 
 from titan_muon import Muon
-from titan_muon.transport import (
+from titan_muon.exchange.transport import (
     HIERARCHICAL_MIN_RANKS,
     Hierarchy,
     NodeLayout,
@@ -166,7 +166,7 @@ def test_route_index_is_in_rows_of_the_blocks_gcd():
 
 
 def _transport_run(rank, world, per_node):
-    from titan_muon.transport import lane_hierarchy
+    from titan_muon.exchange.transport import lane_hierarchy
 
     group = dist.group.WORLD
     layout = NodeLayout.of(list(range(world)), per_node)
@@ -285,8 +285,8 @@ def test_tables_in_a_hierarchical_order_hold_the_same_pieces():
     are the tables' own."""
     from torch.distributed.tensor import Shard
 
-    from titan_muon.layout import RankGrid, sharding_of
-    from titan_muon.plan import Unit, build_plan, rank_tables, send_counts_by_round
+    from titan_muon.exchange.layout import RankGrid, sharding_of
+    from titan_muon.exchange.plan import Unit, build_plan, rank_tables, send_counts_by_round
 
     world = 6
     shapes = [(30, 64), (63, 64), (3, 256), (64, 30), (48, 48), (130, 70)] * 3

@@ -4,14 +4,14 @@ overestimate them only through its model of Newton–Schulz's workspace."""
 
 from pathlib import Path
 
-from torch import nn
-
 from common import grads_for, make_params
 from distributed import run_distributed
 from live_bytes import LiveBytes
 from test_optimizer_distributed import _batches, _loss, fsdp_model
+from torch import nn
+
 from titan_muon import Muon, build_param_groups
-from titan_muon.orthogonalizer import NS_WORKSPACE
+from titan_muon.algorithm.orthogonalizer import NS_WORKSPACE
 
 SHAPES = {"a": (300, 640), "b": (630, 640), "c": (640, 300), "d": (30, 64)}
 

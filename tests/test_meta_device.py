@@ -10,14 +10,13 @@ import math
 
 import pytest
 import torch
+from meta_device import DeviceAudit, meta_process_group
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
-
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from meta_device import DeviceAudit, meta_process_group
 from titan_muon import Muon, build_param_groups
 
 # Llama-3-8B shapes (dim 4096, 32 heads of 128, 8 KV heads, MLP 14336), a few layers.

@@ -1,13 +1,13 @@
 """Several model parts per rank (torchtitan's interleaved / virtual-stage pipeline schedules):
-one Muon per part, as the containers hold them (titan_muon/torchtitan/optimizer.py and
+one Muon per part, as the containers hold them (titan_muon/torchtitan/v022/optimizer.py and
 v030/optimizer.py), stepping together.
 """
 
 import pytest
 import torch
+from common import grads_for, make_params
 from torch import nn
 
-from common import grads_for, make_params
 from titan_muon import Muon
 from titan_muon.metrics import PART_MERGE_RULES
 from titan_muon.torchtitan.muon import merged_step_metrics
@@ -88,7 +88,7 @@ STAGE_PART_SHAPES = [{"a": (30, 64), "b": (63, 64), "emb": (50, 16)}, {"c": (3, 
 
 def _container(optimizers):
     """torchtitan 0.2.2's container as the trainer steps it (without building a model)."""
-    from titan_muon.torchtitan.optimizer import MuonOptimizersContainer
+    from titan_muon.torchtitan.v022.optimizer import MuonOptimizersContainer
 
     container = MuonOptimizersContainer.__new__(MuonOptimizersContainer)
     container.optimizers, container.qk_clips, container.qk_clip_metrics = optimizers, [], []

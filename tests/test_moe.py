@@ -15,14 +15,14 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from distributed import run_distributed
+from reference import ReferenceMuonAdamW
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from distributed import run_distributed
-from reference import ReferenceMuonAdamW
 from titan_muon import Muon, build_param_groups
 
 # Expert stacks: 6 and 5 experts split unevenly over 2, 3 and 4 ranks; 2 experts leave a rank
@@ -122,7 +122,7 @@ def tiny_moe_model(device: torch.device) -> nn.Module:
     from torchtitan.config import JobConfig
     from torchtitan.models.deepseek_v3 import DeepSeekV3Model
 
-    from titan_muon.torchtitan.specs import MLA_FLAVORS
+    from titan_muon.torchtitan.v022.specs import MLA_FLAVORS
 
     args = copy.deepcopy(MLA_FLAVORS["tiny_moe"])
     args.update_from_config(JobConfig())  # as torchtitan's trainer does
@@ -200,7 +200,7 @@ def test_torchtitan_load_balancing_hook_runs_on_the_muon_container(monkeypatch):
     from torchtitan.config import ConfigManager
 
     from titan_muon.torchtitan.cpu import count_integers_on_cpu
-    from titan_muon.torchtitan.optimizer import MuonOptimizersContainer, build_optimizers_with_moe_load_balancing
+    from titan_muon.torchtitan.v022.optimizer import MuonOptimizersContainer, build_optimizers_with_moe_load_balancing
 
     monkeypatch.setattr(torch, "histc", torch.histc)  # restored after the test
     count_integers_on_cpu()

@@ -3,11 +3,11 @@ import math
 
 import pytest
 import torch
+from reference import reference_ns
 from torch.utils.flop_counter import FlopCounterMode
 
-from reference import reference_ns
-from titan_muon import newton_schulz
-from titan_muon.newton_schulz import (
+from titan_muon.algorithm import newton_schulz
+from titan_muon.algorithm.newton_schulz import (
     FP16_PEAK_LIMIT,
     GRAM_MAX_RUN,
     GRAM_MIN_ASPECT,
@@ -23,7 +23,7 @@ from titan_muon.newton_schulz import (
     orthogonalize,
     resolve_algorithm,
 )
-from titan_muon.orthogonalizer import NS_WORKSPACE, Orthogonalizer
+from titan_muon.algorithm.orthogonalizer import NS_WORKSPACE, Orthogonalizer
 from titan_muon.settings import auto_comm_dtype, resolve_ns_precision
 
 HALF = torch.float16

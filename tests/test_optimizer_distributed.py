@@ -5,13 +5,22 @@ Every run goes through tests/distributed.py, which kills all ranks and fails aft
 
 import pytest
 import torch
+from common import (
+    FP32_ULP,
+    adamw_names,
+    assert_within,
+    feed_adamw_gradients,
+    grads_for,
+    make_params,
+    run_titan,
+    whole_gradients,
+)
+from distributed import run_distributed
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-from common import FP32_ULP, adamw_names, assert_within, feed_adamw_gradients, grads_for, make_params, run_titan, whole_gradients
-from distributed import run_distributed
 from titan_muon import Muon
 
 # Uneven dim 0 (30, 63 on 2/4 ranks), fewer rows than ranks (3 on 4), wide and tall, plus AdamW tensors.

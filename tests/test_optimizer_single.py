@@ -4,12 +4,13 @@ import copy
 
 import pytest
 import torch
-from torch import nn
-
 from common import SHAPES, grads_for, make_params, run_titan
 from reference import ReferenceMuonAdamW
+from torch import nn
+
 from titan_muon import Muon, build_param_groups
-from titan_muon.newton_schulz import newton_schulz_flops
+from titan_muon.algorithm.newton_schulz import newton_schulz_flops
+
 
 def max_rel(a, b):
     return max(((a[n] - b[n]).abs().max() / b[n].abs().max()).item() for n in a)
@@ -357,7 +358,7 @@ def test_empty_matrix_is_refused_by_name(shape):
 def test_owner_nesterov_helper_matches_the_step_and_commit_rules(nesterov):
     """With overlap the owner computes the new momentum and the NS input in one helper; both
     must be bit for bit what the shard side's pass (the step) and momentum_update_ (the commit) give."""
-    from titan_muon.update import Elementwise
+    from titan_muon.algorithm.update import Elementwise
 
     eager = Elementwise(compiled=False)
     gen = torch.Generator().manual_seed(3)
@@ -378,7 +379,7 @@ def test_compiled_elementwise_passes_equal_the_eager_ones():
     the decay-and-step differs by at most one rounding of its operands' magnitude:
     |Δ| ≤ 2·eps32·(|g| + |M|) (lerp), 2·eps32·(|W| + lr·|U|) (step). A bf16 output may then round
     to the neighbouring bf16 value: one bf16 ulp, eps_bf16·|value|, on top."""
-    from titan_muon.update import Elementwise
+    from titan_muon.algorithm.update import Elementwise
 
     eager, compiled = Elementwise(compiled=False), Elementwise(compiled=True)
     gen = torch.Generator().manual_seed(5)
@@ -427,7 +428,7 @@ def test_bf16_weight_decay_uses_the_exact_factor():
     """bf16 parameters decay by 1 - lr·wd computed in fp32, as ``param.mul_(factor)`` does; the
     foreach kernels round a Python float factor to bf16 first (0.998 -> 0.99609375: 1.95x the
     decay). With the update zeroed (lr·U = 0 needs lr = 0, so compare the decay step alone)."""
-    from titan_muon.update import Elementwise
+    from titan_muon.algorithm.update import Elementwise
 
     weights = torch.full((4, 4), 3.0, dtype=torch.bfloat16)
     Elementwise(compiled=False).decay_and_step_([weights], [torch.zeros(4, 4, dtype=torch.bfloat16)], lr=0.02, weight_decay=0.1)

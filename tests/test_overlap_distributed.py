@@ -7,11 +7,11 @@ step() corrects for gradient clipping (per matrix) and re-sends what changed oth
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
-
 from common import FP32_ULP, GRADIENT_RTOL, adamw_names, assert_within, feed_adamw_gradients, whole_gradients
 from distributed import run_distributed
 from test_optimizer_distributed import _batches, _loss, fsdp_model
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
 from titan_muon import Muon, build_param_groups
 
 TAMPERED = "layers.1.w1.weight"
@@ -128,10 +128,9 @@ def test_overlap_with_bf16_communication_catches_changes_per_matrix():
 
 def _hsdp_model(world):
     """TinyTransformerish under HSDP: 2 replicas of a 2-rank FSDP group."""
+    from test_optimizer_distributed import TinyTransformerish
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-
-    from test_optimizer_distributed import TinyTransformerish
 
     torch.manual_seed(0)
     model = TinyTransformerish()

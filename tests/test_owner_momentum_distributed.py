@@ -7,14 +7,14 @@ Every run goes through tests/distributed.py (spawned gloo ranks, a hard timeout)
 
 import pytest
 import torch
+from common import assert_within, grads_for, make_params
+from distributed import run_distributed
+from reference import ReferenceMuonAdamW
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from common import assert_within, grads_for, make_params
-from distributed import run_distributed
-from reference import ReferenceMuonAdamW
 from titan_muon import Muon
 
 pytestmark = pytest.mark.timeout(600)

@@ -59,7 +59,10 @@ def third_party_imports(files: list[Path]) -> dict[str, set[str]]:
 def core_files() -> list[Path]:
     # titan_muon/train.py is the launcher's alias: `python -m titan_muon.train` needs the extra,
     # `import titan_muon` never imports it.
-    return [path for path in sorted(PACKAGE.glob("*.py")) if path.name != "train.py"]
+    return [
+        path for path in sorted(PACKAGE.rglob("*.py"))
+        if path != PACKAGE / "train.py" and ADAPTER not in path.parents
+    ]  # fmt: skip
 
 
 def test_core_depends_on_torch_alone_with_no_upper_bound():
@@ -116,7 +119,7 @@ def test_every_module_the_adapter_imports_comes_with_the_torchtitan_extra():
     import titan_muon.torchtitan
 
     extra = requirements(project()["optional-dependencies"]["torchtitan"])
-    imported = third_party_imports(sorted(ADAPTER.glob("*.py")))
+    imported = third_party_imports(sorted(ADAPTER.rglob("*.py")))
     missing = {name: files for name, files in imported.items() if name != "torch" and canonical(name) not in extra}
     assert not missing, f"imported by the adapter but not in the torchtitan extra: {missing}"
     # The names the adapter's import error recognizes are in the extra as well.
@@ -169,10 +172,14 @@ def test_the_core_works_without_any_extra():
         import titan_muon
         from titan_muon import Muon, build_param_groups
 
-        core = [m.name for m in pkgutil.iter_modules(titan_muon.__path__) if m.name not in ("torchtitan", "train")]
-        assert {"optimizer", "clip", "split", "param_groups"} <= set(core), core
+        core = [
+            m.name for m in pkgutil.walk_packages(titan_muon.__path__, "titan_muon.")
+            if not m.name.startswith(("titan_muon.torchtitan", "titan_muon.train"))
+        ]
+        expected = {"titan_muon.optimizer", "titan_muon.attention.clip", "titan_muon.attention.split", "titan_muon.param_groups"}
+        assert expected <= set(core), core
         for name in core:
-            importlib.import_module(f"titan_muon.{name}")
+            importlib.import_module(name)
 
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))

@@ -1,7 +1,7 @@
 """Pipeline parallel: the loss that normalizes PP gradients, one Muon per stage, and
 torchtitan PP runs (2 stages on 2 CPU ranks, gloo) that equal the one-process run.
 
-Every launch has a timeout (tests/distributed.py, titan_muon.torchtitan.launch).
+Every launch has a timeout (tests/distributed.py, titan_muon.torchtitan.harness).
 """
 
 from pathlib import Path
@@ -9,15 +9,15 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from torch import nn
-from torchtitan.components.loss import cross_entropy_loss
-
 from common import make_params, run_titan
 from distributed import run_distributed, tiny_run_flags
 from pipeline_stages import DP, MUON, SETTINGS, STAGE_SHAPES, STEPS, stage_run, stage_skip_run
-from titan_muon.split import attention_row_blocks
-from titan_muon.torchtitan.launch import read_losses, read_scalars, run_training
-from titan_muon.torchtitan.pipeline import PipelineLoss, check_pipeline_loss, pipeline_loss_builder
+from torch import nn
+from torchtitan.components.loss import cross_entropy_loss
+
+from titan_muon.attention.split import attention_row_blocks
+from titan_muon.torchtitan.harness import read_losses, read_scalars, run_training
+from titan_muon.torchtitan.v022.pipeline import PipelineLoss, check_pipeline_loss, pipeline_loss_builder
 
 pytestmark = pytest.mark.timeout(900)
 

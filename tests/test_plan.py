@@ -15,10 +15,10 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from titan_muon.layout import RankGrid, as_stack_shape, box_numel, chunk_range, sharding_of
-from titan_muon.newton_schulz import newton_schulz_flops
-from titan_muon.plan import Unit, build_plan, build_rounds, elements_sent, rank_tables, shard_rows
-from titan_muon.redistribute import assemble, disassemble, local_piece, outbound_slots
+from titan_muon.algorithm.newton_schulz import newton_schulz_flops
+from titan_muon.exchange.layout import RankGrid, as_stack_shape, box_numel, chunk_range, sharding_of
+from titan_muon.exchange.plan import Unit, build_plan, build_rounds, elements_sent, rank_tables, shard_rows
+from titan_muon.exchange.redistribute import assemble, disassemble, local_piece, outbound_slots
 
 TRANSFORMER = [(1024, 1024), (256, 1024), (256, 1024), (1024, 1024), (2816, 1024), (1024, 2816), (2816, 1024)] * 4
 

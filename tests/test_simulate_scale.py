@@ -4,8 +4,8 @@ rules alone, and on traces of the real step whose bytes and FLOPs are known inde
 
 import sys
 from dataclasses import replace
-from types import SimpleNamespace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -23,7 +23,7 @@ from step_trace import (
     trace_rank,
 )
 
-from titan_muon.newton_schulz import newton_schulz_flops
+from titan_muon.algorithm.newton_schulz import newton_schulz_flops
 
 # Round numbers, so expected times are sums of a few terms: a kernel of 1 GB takes 1 ms, a launch
 # 1 us, a collective has 10 us latency plus 1 us per peer, 1 GB crosses NVLink in 10 ms.

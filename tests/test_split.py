@@ -4,13 +4,13 @@ import math
 
 import pytest
 import torch
-from torch import nn
-
 from distributed import run_distributed
 from reference import reference_ns
 from test_optimizer_distributed import _dtensor_run, _one_process, check_equal_to_one_process
+from torch import nn
+
 from titan_muon import Muon
-from titan_muon.split import match_row_blocks, row_block_ranges
+from titan_muon.attention.split import match_row_blocks, row_block_ranges
 
 ROW_BLOCKS = {"a": 10, "b": (4, 3), "e": 16}
 
@@ -72,7 +72,7 @@ def test_attention_row_blocks_for_torchtitan_gqa_and_mla():
     from torchtitan.models.llama3.model.args import TransformerModelArgs
     from torchtitan.models.llama3.model.model import Transformer
 
-    from titan_muon.split import attention_row_blocks
+    from titan_muon.attention.split import attention_row_blocks
 
     llama = Transformer(TransformerModelArgs(dim=64, n_layers=2, n_heads=8, n_kv_heads=2, vocab_size=32))
     blocks = attention_row_blocks(llama)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from titan_muon.state import (
+from titan_muon.state.momentum import (
     FP8,
     MOMENTUM_DTYPES,
     NONFINITE_EXP,

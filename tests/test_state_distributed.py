@@ -11,13 +11,13 @@ import copy
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from distributed import run_distributed
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from distributed import run_distributed
-from titan_muon.state import momentum_storage
+from titan_muon.state.momentum import momentum_storage
 
 # (5, 1000) and (3, 256) leave trailing ranks empty on 4 ranks; 300 columns end in a partial block.
 SHAPES = {"a": (30, 64), "b": (63, 300), "c": (3, 256), "d": (5, 1000)}

@@ -4,15 +4,15 @@ The failing rank keeps taking part in every exchange (sending zeros) and the ran
 success before anything is written, so the others raise the same error instead of waiting.
 """
 
+import importlib
+
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Shard
-
-import importlib
 from distributed import run_distributed
 from test_optimizer_distributed import SHAPES, _distributed_params, _optimizer, _set_grads
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard
 
 
 def _snapshot(module, opt):
@@ -111,13 +111,13 @@ def _clean(rank, world, overrides):
 @pytest.mark.parametrize(
     "world,where,failing_rank,overrides",
     [
-        (2, "titan_muon.orthogonalizer:orthogonalize", 1, {}),
-        (3, "titan_muon.orthogonalizer:orthogonalize", 2, {"momentum_dtype": "bf16"}),
-        (3, "titan_muon.update:_into", 0, {}),
-        (2, "titan_muon.update:_into", 1, {"rounds_in_flight": 1}),
-        (3, "titan_muon.exchange:torch", 1, {}),  # allocating an exchange buffer: recorded, retried once
-        (2, "titan_muon.exchange:assemble", 0, {}),
-        (3, "titan_muon.commit:staged_state", 2, {"momentum_dtype": "fp8"}),
+        (2, "titan_muon.algorithm.orthogonalizer:orthogonalize", 1, {}),
+        (3, "titan_muon.algorithm.orthogonalizer:orthogonalize", 2, {"momentum_dtype": "bf16"}),
+        (3, "titan_muon.algorithm.update:_into", 0, {}),
+        (2, "titan_muon.algorithm.update:_into", 1, {"rounds_in_flight": 1}),
+        (3, "titan_muon.exchange.engine:torch", 1, {}),  # allocating an exchange buffer: recorded, retried once
+        (2, "titan_muon.exchange.engine:assemble", 0, {}),
+        (3, "titan_muon.algorithm.commit:staged_state", 2, {"momentum_dtype": "fp8"}),
     ],
     ids=["ns-W2", "ns-W3-bf16-momentum", "packing-W3", "packing-W2-window1", "exchange-buffer-W3", "assemble-W2", "staging-fp8-W3"],
 )

@@ -3,14 +3,14 @@ gives the one-process result, Split included — each matrix is assembled whole 
 
 import pytest
 import torch
+from common import FP32_ULP, adamw_names, assert_within, feed_adamw_gradients, whole_gradients
+from distributed import run_distributed
+from test_optimizer_distributed import TinyTransformerish, _batches, _loss
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from common import FP32_ULP, adamw_names, assert_within, feed_adamw_gradients, whole_gradients
-from distributed import run_distributed
-from test_optimizer_distributed import TinyTransformerish, _batches, _loss
 from titan_muon import Muon, build_param_groups
 
 SETTINGS = dict(lr=0.02, adjust_lr_fn="match_rms_adamw", exchange_memory_mb=0.002)

@@ -10,9 +10,9 @@ import warnings
 
 import pytest
 import torch
+from common import grads_for, make_params
 from torch import nn
 
-from common import grads_for, make_params
 from titan_muon import Muon
 
 optim_db = pytest.importorskip("torch.testing._internal.common_optimizers").optim_db

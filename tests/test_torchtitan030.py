@@ -63,9 +63,10 @@ from torchtitan.distributed import ParallelDims  # noqa: E402
 from torchtitan.distributed.context_parallel import apply_cp_to_forward, prepare_context_parallel_input  # noqa: E402
 from torchtitan.models.common.attention import FlexAttention  # noqa: E402
 
-from titan_muon.attention_layers import find_attention_layers  # noqa: E402
-from titan_muon.clip import QKClip  # noqa: E402
-from titan_muon.split import attention_row_blocks  # noqa: E402
+from titan_muon.attention.clip import QKClip  # noqa: E402
+from titan_muon.attention.layers import find_attention_layers  # noqa: E402
+from titan_muon.attention.logits import ContextParallelSequence  # noqa: E402
+from titan_muon.attention.split import attention_row_blocks  # noqa: E402
 from titan_muon.torchtitan import config as optimizer_section  # noqa: E402
 from titan_muon.torchtitan.checkpoint import CheckpointError, check_before_resume  # noqa: E402
 from titan_muon.torchtitan.data import (  # noqa: E402
@@ -73,7 +74,7 @@ from titan_muon.torchtitan.data import (  # noqa: E402
     STDLIB_DIR,
     ensure_offline_tokenizer,
 )
-from titan_muon.torchtitan.launch import (  # noqa: E402
+from titan_muon.torchtitan.harness import (  # noqa: E402
     finish,
     local_nodes_rendezvous,
     log_tail,
@@ -84,7 +85,6 @@ from titan_muon.torchtitan.launch import (  # noqa: E402
     start,
     torchrun_command,
 )
-from titan_muon.attention_logits import ContextParallelSequence  # noqa: E402
 from titan_muon.torchtitan.qk_clip import use_context_parallel_load_balancer  # noqa: E402
 from titan_muon.torchtitan.v030 import cpu  # noqa: E402
 from titan_muon.torchtitan.v030.launch import parse  # noqa: E402
@@ -393,7 +393,7 @@ def test_context_parallel_records_as_one_process(name, load_balancer):
 
 @pytest.mark.parametrize("name, kind", [("llama3", "fused_wqkv"), ("llama3_unfused", "gqa"), ("mla", "mla")])
 def test_split_clip_and_recorder_find_the_same_030_attention_layers(name, kind):
-    """One finder (titan_muon.attention_layers) on 0.3.0's own modules: Split cuts, QK-clip scales and
+    """One finder (titan_muon.attention.layers) on 0.3.0's own modules: Split cuts, QK-clip scales and
     the recorder hooks exactly the layers and projections it reports."""
     model = attention_model(name, "sdpa")
     layers = find_attention_layers(model)

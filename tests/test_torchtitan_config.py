@@ -14,8 +14,8 @@ from titan_muon.torchtitan.checkpoint import CheckpointError, checkpoint_to_resu
 from titan_muon.torchtitan.config import validate_optimizer_config
 from titan_muon.torchtitan.data import ensure_offline_tokenizer, read_text_files
 from titan_muon.torchtitan.metrics import optimizer_metrics
-from titan_muon.torchtitan.optimizer import MuonOptimizersContainer
-from titan_muon.torchtitan.specs import LLAMA3_FLAVORS
+from titan_muon.torchtitan.v022.optimizer import MuonOptimizersContainer
+from titan_muon.torchtitan.v022.specs import LLAMA3_FLAVORS
 
 REPO = Path(__file__).resolve().parents[1]
 MUON_TOML = str(REPO / "train_configs" / "llama3_gqa_muon.toml")
@@ -36,7 +36,7 @@ def test_toml_and_cli_reach_the_optimizer_section():
 
 
 def test_hierarchical_exchange_reaches_muon():
-    from titan_muon.torchtitan.optimizer import muon_kwargs
+    from titan_muon.torchtitan.v022.optimizer import muon_kwargs
 
     config = parse("--optimizer.hierarchical_exchange", "on", "--optimizer.ranks_per_node", "4").optimizer
     validate_optimizer_config(config)
@@ -95,7 +95,7 @@ def test_demo_settings_are_checked(flags, message):
 
 
 def test_demo_keys_reach_the_optimizer():
-    from titan_muon.torchtitan.optimizer import muon_kwargs
+    from titan_muon.torchtitan.v022.optimizer import muon_kwargs
 
     optimizer = parse("--optimizer.demo", "--optimizer.no-nesterov", "--optimizer.demo_topk", "4", "--optimizer.no-demo_shared_momentum").optimizer
     validate_optimizer_config(optimizer)
@@ -108,7 +108,7 @@ def test_demo_is_one_switch_on_the_shipped_config(tmp_path):
     """``--optimizer.demo`` on the shipped Muon config (momentum 0.95, nesterov = true, fp32
     momentum) is valid as it is: the shared momentum is the config's Nesterov momentum. The same
     in the TOML (``demo = true``). Only a setting made explicitly against DeMo is refused, by name."""
-    from titan_muon.torchtitan.optimizer import muon_kwargs
+    from titan_muon.torchtitan.v022.optimizer import muon_kwargs
 
     optimizer = parse("--optimizer.demo").optimizer
     validate_optimizer_config(optimizer)
@@ -265,7 +265,7 @@ def test_incomplete_newest_checkpoint_is_skipped_but_named(tmp_path):
 @pytest.mark.parametrize("adjust_lr_fn", ["original", "match_rms_adamw", "spectral_unclamped"])
 def test_every_adjust_lr_fn_is_accepted_from_toml_and_cli_and_reaches_muon(tmp_path, adjust_lr_fn):
     from titan_muon import Muon
-    from titan_muon.torchtitan.optimizer import muon_kwargs
+    from titan_muon.torchtitan.v022.optimizer import muon_kwargs
 
     toml = tmp_path / "adjust.toml"
     toml.write_text(Path(MUON_TOML).read_text().replace('adjust_lr_fn = "original"', f'adjust_lr_fn = "{adjust_lr_fn}"'))

@@ -11,10 +11,10 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 from distributed import tiny_run_flags, trainer_flags
 from test_torchtitan_train import assert_same_checkpoint, one_sequence_corpus
-from titan_muon.torchtitan.launch import read_losses, read_scalars, run_training
+
+from titan_muon.torchtitan.harness import read_losses, read_scalars, run_training
 
 pytestmark = pytest.mark.timeout(1800)
 

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
 from distributed import tiny_run_flags
 from test_torchtitan_train import RUN_TIMEOUT, copy_checkpoint, one_sequence_corpus
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
 from titan_muon.torchtitan.data import OFFLINE_DATASETS, STDLIB_DIR, ensure_offline_tokenizer
-from titan_muon.torchtitan.launch import read_losses, read_scalars, run_training
+from titan_muon.torchtitan.harness import read_losses, read_scalars, run_training
 
 pytestmark = pytest.mark.timeout(1800)
 

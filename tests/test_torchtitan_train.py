@@ -9,10 +9,16 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from distributed import one_sequence_corpus, tiny_run_flags, trainer_flags
-from titan_muon.torchtitan.launch import (
-    local_nodes_rendezvous, log_tail, read_checkpoint, read_losses, read_scalars, run_together, run_training,
+
+from titan_muon.torchtitan.harness import (
+    local_nodes_rendezvous,
+    log_tail,
+    read_checkpoint,
+    read_losses,
+    read_scalars,
+    run_together,
+    run_training,
     torchrun_command,
 )  # fmt: skip
 

@@ -7,9 +7,9 @@ import math
 import torch
 from torch import Tensor
 
-from titan_muon.overlap import metrics as overlap_metrics
+from titan_muon.algorithm.update import local_shard
+from titan_muon.exchange.overlap import metrics as overlap_metrics
 from titan_muon.timing import StepTimer
-from titan_muon.update import local_shard
 
 
 def step_metrics(work, timer: StepTimer, engines, skipped_steps: int, early: list, momentum: list[dict], storage,

@@ -33,22 +33,24 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from titan_muon import checkpoint, demo, settings
-from titan_muon.commit import StepWork, adamw_step, commit, stage_momentum
-from titan_muon.demo_step import Replicas, check_groups, demo_settings, demo_storage
-from titan_muon.exchange import EngineSettings, ExchangeEngine, StepFailure, agree_on_success, build_engines
-from titan_muon.matrix_step import MatrixStep
+from titan_muon import settings
+from titan_muon.algorithm.commit import StepWork, adamw_step, commit, stage_momentum
+from titan_muon.algorithm.matrix_step import MatrixStep
+from titan_muon.algorithm.orthogonalizer import Orthogonalizer
+from titan_muon.algorithm.update import Elementwise
+from titan_muon.attention.split import RowBlocks
+from titan_muon.demo import dct as demo
+from titan_muon.demo.step import Replicas, check_groups, demo_settings, demo_storage
+from titan_muon.exchange.engine import EngineSettings, ExchangeEngine, StepFailure, agree_on_success, build_engines
+from titan_muon.exchange.overlap import BackwardOverlap
+from titan_muon.exchange.params import MuonParam, build_units, collect_muon_params, locate
+from titan_muon.exchange.plan import OVERLAP_MIN_ROUNDS, Unit
+from titan_muon.exchange.transport import AcrossReplicas, Transport
+from titan_muon.exchange.verdict import Verdict, agree_on_gradients
 from titan_muon.metrics import state_bytes, step_metrics, wire_bytes
-from titan_muon.orthogonalizer import Orthogonalizer
-from titan_muon.overlap import BackwardOverlap
-from titan_muon.params import MuonParam, build_units, collect_muon_params, locate
-from titan_muon.plan import OVERLAP_MIN_ROUNDS, Unit
-from titan_muon.split import RowBlocks
-from titan_muon.state import momentum_storage
+from titan_muon.state import checkpoint
+from titan_muon.state.momentum import momentum_storage
 from titan_muon.timing import StepTimer, phase
-from titan_muon.transport import AcrossReplicas, Transport
-from titan_muon.update import Elementwise
-from titan_muon.verdict import Verdict, agree_on_gradients
 
 
 class Muon(Optimizer):

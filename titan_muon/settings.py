@@ -7,8 +7,8 @@ import warnings
 
 import torch
 
-from titan_muon.newton_schulz import NS_ALGORITHMS, NS_METHODS, NSPrecision, coefficient_schedule
-from titan_muon.update import ADJUST_LR_FNS
+from titan_muon.algorithm.newton_schulz import NS_ALGORITHMS, NS_METHODS, NSPrecision, coefficient_schedule
+from titan_muon.algorithm.update import ADJUST_LR_FNS
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # Newton–Schulz may also run in fp16 (it scales its input first); the wire may not: unscaled

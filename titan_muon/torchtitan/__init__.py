@@ -40,7 +40,7 @@ if (_version := installed_torchtitan()) != "none":
 if not uses_config_functions():
     try:
         from titan_muon.torchtitan.data import register_datasets
-        from titan_muon.torchtitan.specs import register_train_specs
+        from titan_muon.torchtitan.v022.specs import register_train_specs
     except ModuleNotFoundError as error:
         if (error.name or "").partition(".")[0] not in EXTRA_MODULES:
             raise

@@ -12,7 +12,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args, get_type_hints
 
-from titan_muon import demo as demo_math
+from titan_muon.demo import dct as demo_math
 from titan_muon.settings import ADAMW_IMPLEMENTATIONS
 
 OPTIMIZER_NAMES = ("Muon", "AdamW", "Adam")

@@ -1,6 +1,6 @@
 """From the ``[optimizer]`` fields to one :class:`titan_muon.Muon` per model part.
 
-Shared by the torchtitan 0.2.2 container (titan_muon.torchtitan.optimizer) and the 0.3.0 one
+Shared by the torchtitan 0.2.2 container (titan_muon.torchtitan.v022.optimizer) and the 0.3.0 one
 (titan_muon.torchtitan.v030.optimizer): ``config`` is anything with the fields of
 titan_muon.torchtitan.config (plus torchtitan's ``lr``, ``weight_decay``, ``beta1``,
 ``beta2``, ``eps`` and ``implementation``). Nothing here imports torchtitan.
@@ -12,9 +12,9 @@ from typing import Any
 import torch.nn as nn
 
 from titan_muon import Muon, build_param_groups
+from titan_muon.attention.split import RowBlocks, attention_row_blocks
 from titan_muon.metrics import merge_part_metrics
 from titan_muon.param_groups import fqn_pattern
-from titan_muon.split import RowBlocks, attention_row_blocks
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ A max logit must be reduced over exactly the ranks that hold the same attention 
   norm + output) is skipped alike on every rank of its stage;
 * context parallel (torchtitan 0.2.2, SDPA or FlexAttention; 0.3.0, SDPA): each rank's attention sees only
   its slice of the sequence, so the recorder gathers every CP rank's keys and masks them by
-  their global positions (:class:`~titan_muon.attention_logits.ContextParallelSequence`, built
+  their global positions (:class:`~titan_muon.attention.logits.ContextParallelSequence`, built
   here from the ``cp`` mesh and torchtitan's load balancer). The reduction group already
   includes the CP ranks: torchtitan's ``fsdp`` dimension is ``dp_shard`` times ``cp``.
   torchtitan 0.3.0 cuts the sequence alike; its FlexAttention under context parallel is
@@ -27,8 +27,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torchtitan.distributed import ParallelDims
 
-from titan_muon.attention_logits import ContextParallelSequence
-from titan_muon.clip import QKClip, QKClipMetrics, build_qk_clips, read_metrics
+from titan_muon.attention.clip import QKClip, QKClipMetrics, build_qk_clips, read_metrics
+from titan_muon.attention.logits import ContextParallelSequence
 
 STAGE_DIMS = ("dp_replicate", "fsdp", "tp")
 

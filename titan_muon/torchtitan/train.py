@@ -4,7 +4,7 @@
 
 (``-m titan_muon.train`` is an alias of this module.) The same command and TOML work on both
 torchtitan versions: on 0.2.x this is torchtitan's trainer with the adapter's train specs
-(titan_muon/torchtitan/trainer.py); on 0.3.x the TOML is turned into a ``Trainer.Config``
+(titan_muon/torchtitan/v022/trainer.py); on 0.3.x the TOML is turned into a ``Trainer.Config``
 (titan_muon/torchtitan/v030/launch.py). The version is read from the package metadata before
 anything of torchtitan is imported, since each version's imports fail on the other.
 """
@@ -22,7 +22,7 @@ if uses_config_functions():
 
     __all__ = ["run"]
 else:
-    from titan_muon.torchtitan.trainer import Trainer, check_restarts_can_rendezvous, run
+    from titan_muon.torchtitan.v022.trainer import Trainer, check_restarts_can_rendezvous, run
 
     __all__ = ["Trainer", "check_restarts_can_rendezvous", "run"]
 

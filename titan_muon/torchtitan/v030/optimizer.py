@@ -58,12 +58,12 @@ from torchtitan.distributed import ParallelDims
 from torchtitan.tools.logging import logger
 
 from titan_muon import Muon
+from titan_muon.exchange.verdict import agreeing_model_parts
 from titan_muon.torchtitan import config as optimizer_section
 from titan_muon.torchtitan.config import validate_optimizer_config
 from titan_muon.torchtitan.metrics import time_optimizer_steps
 from titan_muon.torchtitan.muon import build_muon, merged_step_metrics, muon_kwargs
 from titan_muon.torchtitan.qk_clip import QKClipAfterStep
-from titan_muon.verdict import agreeing_model_parts
 
 
 def _copied(f: dataclasses.Field) -> tuple[str, Any, dataclasses.Field]:

@@ -6,12 +6,12 @@ FSDP's SUM reductions on CPU after it), and refuses what titan_muon's Muon does 
 under 0.3.0 yet, before minutes of setup rather than after. Every config function of
 titan_muon.torchtitan.v030.config_registry and the TOML launcher return this Config, so
 torchtitan's own ``python -m torchtitan.train --module titan_muon.torchtitan.v030 --config ...``
-runs it too. As the 0.2.2 trainer (titan_muon.torchtitan.trainer) does, it also:
+runs it too. As the 0.2.2 trainer (titan_muon.torchtitan.v022.trainer) does, it also:
 
 * hands the optimizer the parallel dims that 0.3.0 builds it without: under pipeline parallel
   each stage's Muon joins the pipeline group (non-finite gradients raise or skip in every
   stage), MuonClip reduces max logits over its stage and records only the schedule's real
-  forwards. The pipeline loss needs no fix, unlike 0.2.2's (titan_muon.torchtitan.pipeline):
+  forwards. The pipeline loss needs no fix, unlike 0.2.2's (titan_muon.torchtitan.v022.pipeline):
   0.3.0 hands the step's token count to the loss inside the schedule;
 * under context parallel (SDPA), builds MuonClip's recorder with the ``cp`` mesh's sequence layout
   and the run's ``context_parallel_load_balancer``, as the 0.2.2 trainer does (FlexAttention under

@@ -38,11 +38,27 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from titan_muon.layout import Sharding
-from titan_muon.plan import Piece, Plan, RoundTables, Unit, build_plan, rank_tables, send_counts_by_round
-from titan_muon.redistribute import Batch, ColumnMap, assemble, disassemble, outbound_slots, piece_columns, split_counts
+from titan_muon.exchange.layout import Sharding
+from titan_muon.exchange.plan import Piece, Plan, RoundTables, Unit, build_plan, rank_tables, send_counts_by_round
+from titan_muon.exchange.redistribute import (
+    Batch,
+    ColumnMap,
+    assemble,
+    disassemble,
+    outbound_slots,
+    piece_columns,
+    split_counts,
+)
+from titan_muon.exchange.transport import (
+    Exchange,
+    Route,
+    Transport,
+    build_route,
+    choose_layout,
+    lane_hierarchy,
+    outbound_lane_group,
+)
 from titan_muon.timing import phase
-from titan_muon.transport import Exchange, Route, Transport, build_route, choose_layout, lane_hierarchy, outbound_lane_group
 
 
 @dataclass
@@ -104,7 +120,7 @@ Receive = Callable[[int, Piece, Tensor], None]  # round, outbound piece, its upd
 class ExchangeEngine:
     """Round trips for the units of one rank set: ``plan`` (owners and rounds, the same on every
     rank of the set), ``tables`` (this rank's per-round tables), the two lanes. With hierarchical
-    lanes, ``routes`` holds each round's :class:`~titan_muon.transport.Route` (both trips of a
+    lanes, ``routes`` holds each round's :class:`~titan_muon.exchange.transport.Route` (both trips of a
     round use it, the return trip backwards) and the tables are in the lanes' buffer orders."""
 
     def __init__(self, plan: Plan, tables: tuple[RoundTables, ...], outbound: Transport, back: Transport, rounds_in_flight: int,

@@ -20,8 +20,8 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.optim.adamw import adamw as adamw_functional
 
-from titan_muon.exchange import MemoryAccount, StepFailure
-from titan_muon.update import Elementwise, local_shard
+from titan_muon.algorithm.update import Elementwise, local_shard
+from titan_muon.exchange.engine import MemoryAccount, StepFailure
 
 
 @dataclass

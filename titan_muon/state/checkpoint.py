@@ -14,11 +14,11 @@ from dataclasses import dataclass
 
 import torch
 
-from titan_muon.commit import adamw_step_device, new_adamw_state
-from titan_muon.demo_step import replica_keys
-from titan_muon.owner_state import blocks_to_shards, shards_to_blocks
+from titan_muon.algorithm.commit import adamw_step_device, new_adamw_state
+from titan_muon.demo.step import replica_keys
+from titan_muon.exchange.transport import uncounted
 from titan_muon.settings import GROUP_KEYS
-from titan_muon.transport import uncounted
+from titan_muon.state.owner_held import blocks_to_shards, shards_to_blocks
 
 
 @dataclass

@@ -36,13 +36,13 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from titan_muon import demo
-from titan_muon.commit import staged_state
-from titan_muon.exchange import ExchangeEngine
-from titan_muon.redistribute import Batch
-from titan_muon.state import Fp32Storage
-from titan_muon.transport import Transport
-from titan_muon.update import local_shard
+from titan_muon.algorithm.commit import staged_state
+from titan_muon.algorithm.update import local_shard
+from titan_muon.demo import dct as demo
+from titan_muon.exchange.engine import ExchangeEngine
+from titan_muon.exchange.redistribute import Batch
+from titan_muon.exchange.transport import Transport
+from titan_muon.state.momentum import Fp32Storage
 
 # The paper found larger β clearly better with its error feedback (0.995–0.999; it used 0.999).
 SMALL_BETA_WARNING = 0.99

@@ -21,9 +21,9 @@ from collections.abc import Sequence
 
 from torch import Tensor
 
-from titan_muon.exchange import ExchangeEngine, MemoryAccount, StepFailure
-from titan_muon.plan import Piece
-from titan_muon.redistribute import inbound_slots, local_piece, outbound_slots
+from titan_muon.exchange.engine import ExchangeEngine, MemoryAccount, StepFailure
+from titan_muon.exchange.plan import Piece
+from titan_muon.exchange.redistribute import inbound_slots, local_piece, outbound_slots
 
 
 def _column_map(storage, engine: ExchangeEngine, width_of):

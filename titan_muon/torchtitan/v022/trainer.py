@@ -6,7 +6,7 @@ CPU processes over gloo (see titan_muon/torchtitan/cpu.py). Either way the check
 resume from is checked before it is loaded, a failed checkpoint write stops every rank
 with one error naming the folder (titan_muon/torchtitan/checkpoint.py), and under pipeline
 parallel the gradients are divided by the token count as without it
-(titan_muon/torchtitan/pipeline.py).
+(titan_muon/torchtitan/v022/pipeline.py).
 """
 
 import os
@@ -20,9 +20,9 @@ from torchtitan.train import main
 from titan_muon.torchtitan import cpu
 from titan_muon.torchtitan.checkpoint import check_before_resume, checkpoint_io_error
 from titan_muon.torchtitan.config import validate_optimizer_config
-from titan_muon.torchtitan.pipeline import check_pipeline_loss, set_global_valid_tokens
 from titan_muon.torchtitan.qk_clip import record_only_stage_forwards, use_context_parallel_load_balancer
 from titan_muon.torchtitan.replicas import replica_tokens
+from titan_muon.torchtitan.v022.pipeline import check_pipeline_loss, set_global_valid_tokens
 
 
 def check_restarts_can_rendezvous(environ: Mapping[str, str] = os.environ) -> None:

@@ -18,7 +18,7 @@ Under tensor parallelism a rank sees only its heads; they go to their global hea
 found from the global rows of the query projection it holds. Under context parallelism a rank
 sees only its slice of the sequence: its queries are taken against every rank's keys, gathered
 and masked by global position (:class:`ContextParallelSequence`, :func:`context_parallel_max_logits`).
-The layers themselves are found by :mod:`titan_muon.attention_layers`.
+The layers themselves are found by :mod:`titan_muon.attention.layers`.
 """
 
 from __future__ import annotations
@@ -36,12 +36,12 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.nn.attention.flex_attention import AuxOutput, AuxRequest
 
-from titan_muon.attention_layers import (
+from titan_muon.attention.layers import (
     AttentionLayer,
     describe_attention,
     find_attention_layers,
 )
-from titan_muon.layout import local_block
+from titan_muon.exchange.layout import local_block
 
 CPU_BLOCK_BYTES = 4 << 20
 """Logits at once on CPU: 4 MiB (2^20 fp32 logits), the fastest size measured (docs/muonclip.md)."""
@@ -443,7 +443,7 @@ def held_rows(t: Tensor, dim: int = 0) -> tuple[int, int]:
     """Global [start, stop) of dimension ``dim`` that this rank's local tensor holds.
 
     One contiguous range for every placement FSDP2, HSDP, tensor parallel and FSDP2 on top of
-    tensor parallel produce (titan_muon.layout computes it; other nestings raise there).
+    tensor parallel produce (titan_muon.exchange.layout computes it; other nestings raise there).
     """
     if not isinstance(t, DTensor):
         return 0, t.shape[dim]
@@ -570,7 +570,7 @@ class MaxLogitRecorder:
 
     ``layers`` are attention modules (with an ``inner_attention`` child: torchtitan's llama3,
     llama4, qwen3 GQA and deepseek_v3 MLA attention) or their :class:`AttentionLayer` descriptions
-    (:func:`titan_muon.attention_layers.find_attention_layers`).
+    (:func:`titan_muon.attention.layers.find_attention_layers`).
     ``max_logits`` is a (layers, max heads) fp32 tensor on the layers' parameter device,
     -inf where nothing was recorded. Nothing here reads a tensor on the host.
 

@@ -20,9 +20,9 @@ from torchtitan.protocols.train_spec import TrainSpec, get_train_spec, register_
 
 from titan_muon.torchtitan.data import build_tokenizer
 from titan_muon.torchtitan.metrics import build_metrics_processor
-from titan_muon.torchtitan.optimizer import build_optimizers, build_optimizers_with_moe_load_balancing
-from titan_muon.torchtitan.pipeline import pipeline_loss_builder
 from titan_muon.torchtitan.replicas import parallelize_for_demo
+from titan_muon.torchtitan.v022.optimizer import build_optimizers, build_optimizers_with_moe_load_balancing
+from titan_muon.torchtitan.v022.pipeline import pipeline_loss_builder
 
 LLAMA3_FLAVORS = {
     # Grouped-query attention: 8 query heads share 2 key/value heads.

@@ -49,10 +49,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from titan_muon.exchange import ExchangeEngine, MemoryAccount, StepFailure
-from titan_muon.redistribute import local_piece
+from titan_muon.exchange.engine import ExchangeEngine, MemoryAccount, StepFailure
+from titan_muon.exchange.redistribute import local_piece
+from titan_muon.exchange.transport import Exchange
 from titan_muon.timing import phase
-from titan_muon.transport import Exchange
 
 SUMS = 4  # Σg, Σ(row+1)g, Σ(col+1)g, Σg²
 

@@ -7,7 +7,7 @@ it is:
 
 * ``"mla"``: ``wkv_b`` and ``qk_nope_head_dim`` (deepseek_v3): queries from ``wq``, or ``wq_b``
   with a query LoRA (``q_lora_rank`` > 0); ``wkv_b`` holds each head's k_nope and v rows.
-* ``"fused_wqkv"``: torchtitan 0.3.0's ``qkv_linear.wqkv`` (:mod:`titan_muon.fused_qkv` knows
+* ``"fused_wqkv"``: torchtitan 0.3.0's ``qkv_linear.wqkv`` (:mod:`titan_muon.attention.fused_qkv` knows
   where its q, k and v rows are), grouped-query or not.
 * ``"gqa"`` / ``"mha"``: separate ``wq``, ``wk``, ``wv`` (0.3.0: inside ``qkv_linear``), with
   ``n_kv_heads`` < ``n_heads`` or equal.
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from titan_muon.fused_qkv import FusedQKVLayout, fused_qkv_layout
+from titan_muon.attention.fused_qkv import FusedQKVLayout, fused_qkv_layout
 from titan_muon.param_groups import clean_fqn
 
 ATTENTION_KINDS = ("mha", "gqa", "mla", "fused_wqkv")
@@ -185,6 +185,6 @@ def query_projection(attention: nn.Module) -> nn.Linear:
     if layer.kind == "fused_wqkv":
         raise ValueError(
             f"{type(attention).__name__} fuses q, k and v into qkv_linear.wqkv, whose query rows are interleaved "
-            "with key and value rows per KV group: use titan_muon.fused_qkv.fused_qkv_layout for their positions"
+            "with key and value rows per KV group: use titan_muon.attention.fused_qkv.fused_qkv_layout for their positions"
         )
     return layer.query_projection

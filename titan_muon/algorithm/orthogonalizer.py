@@ -7,10 +7,15 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from titan_muon.newton_schulz import FP16_PEAK_LIMIT, NSPrecision, half_precision_peak, newton_schulz_flops, orthogonalize
+from titan_muon.algorithm.newton_schulz import (
+    FP16_PEAK_LIMIT,
+    NSPrecision,
+    half_precision_peak,
+    newton_schulz_flops,
+    orthogonalize,
+)
+from titan_muon.algorithm.update import update_scale
 from titan_muon.timing import StepTimer, phase
-from titan_muon.update import update_scale
-
 
 # Peak bytes orthogonalize() allocates (copies in the NS dtype, Gram products, polynomial, the
 # fp32 result) per byte of its fp32 input, measured with a storage-lifetime mode on CPU

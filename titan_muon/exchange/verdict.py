@@ -23,8 +23,8 @@ import torch
 import torch.distributed
 from torch import Tensor
 
-from titan_muon.transport import Transport
-from titan_muon.update import local_shard
+from titan_muon.algorithm.update import local_shard
+from titan_muon.exchange.transport import Transport
 
 # What a stage (or model part) found, MAX-reduced over the pipeline: the largest code wins.
 NONFINITE = 1.0  # a non-finite gradient: skip or raise, as nonfinite_grads says

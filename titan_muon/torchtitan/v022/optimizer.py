@@ -21,6 +21,7 @@ from torchtitan.components.optimizer import (
 from torchtitan.distributed import ParallelDims
 
 from titan_muon import Muon
+from titan_muon.exchange.verdict import agreeing_model_parts
 from titan_muon.torchtitan.config import validate_optimizer_config
 from titan_muon.torchtitan.metrics import time_optimizer_steps
 from titan_muon.torchtitan.muon import (  # noqa: F401
@@ -31,7 +32,6 @@ from titan_muon.torchtitan.muon import (  # noqa: F401
 )
 from titan_muon.torchtitan.qk_clip import QKClipAfterStep
 from titan_muon.torchtitan.replicas import check_replicas
-from titan_muon.verdict import agreeing_model_parts
 
 
 class MuonOptimizersContainer(QKClipAfterStep, OptimizersContainer):

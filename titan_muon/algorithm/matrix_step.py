@@ -20,15 +20,15 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from titan_muon.commit import StepWork, staged_state
-from titan_muon.exchange import ExchangeEngine, StepFailure
-from titan_muon.orthogonalizer import Orthogonalizer
-from titan_muon.params import MuonParam
-from titan_muon.plan import Piece, Unit
-from titan_muon.redistribute import Batch, local_piece
+from titan_muon.algorithm.commit import StepWork, staged_state
+from titan_muon.algorithm.orthogonalizer import Orthogonalizer
+from titan_muon.algorithm.update import Elementwise
+from titan_muon.exchange.engine import ExchangeEngine, StepFailure
+from titan_muon.exchange.params import MuonParam
+from titan_muon.exchange.plan import Piece, Unit
+from titan_muon.exchange.redistribute import Batch, local_piece
+from titan_muon.exchange.verdict import Verdict
 from titan_muon.timing import StepTimer, phase
-from titan_muon.update import Elementwise
-from titan_muon.verdict import Verdict
 
 
 @dataclass

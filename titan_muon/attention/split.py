@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from fnmatch import fnmatchcase
 
-from titan_muon.attention_layers import find_attention_layers
+from titan_muon.attention.layers import find_attention_layers
 from titan_muon.param_groups import clean_fqn
 
 RowBlocks = int | Sequence[int]
@@ -62,7 +62,7 @@ def attention_row_blocks(model, mode: str = "head", *, missing_ok: bool = False)
     or the fused ``qkv_linear.wqkv`` per q, k and v head); MLA wq (or wq_b) per head as
     [q_nope + q_rope] and wkv_b per head as [k_nope + v].
     "fine" (GLM-5): MLA heads split further into q_nope | q_rope and k_nope | v.
-    "none": no split. Attention modules are found by :func:`titan_muon.attention_layers.find_attention_layers`.
+    "none": no split. Attention modules are found by :func:`titan_muon.attention.layers.find_attention_layers`.
     A model without them is an error, unless ``missing_ok`` (a pipeline stage's model part
     may hold only the embeddings, or the norm and output head).
     """

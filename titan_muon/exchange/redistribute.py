@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from titan_muon.plan import Piece, RoundTables, Unit
+from titan_muon.exchange.plan import Piece, RoundTables, Unit
 
 ColumnMap = Callable[[Piece], tuple[int, int]]  # a piece's columns in the walked tensor
 

@@ -18,12 +18,12 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate
 
-from titan_muon.layout import RankGrid, Sharding, replicated, sharding_of
-from titan_muon.plan import Unit
+from titan_muon.algorithm.update import local_shard
+from titan_muon.attention.split import RowBlocks, match_row_blocks, row_block_ranges
+from titan_muon.exchange.layout import RankGrid, Sharding, replicated, sharding_of
+from titan_muon.exchange.plan import Unit
+from titan_muon.exchange.transport import cached_group
 from titan_muon.settings import check_group_params
-from titan_muon.split import RowBlocks, match_row_blocks, row_block_ranges
-from titan_muon.transport import cached_group
-from titan_muon.update import local_shard
 
 
 @dataclass

@@ -35,13 +35,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from titan_muon.attention_layers import AttentionLayer, find_attention_layers
-from titan_muon.attention_logits import (
+from titan_muon.algorithm.update import local_shard
+from titan_muon.attention.layers import AttentionLayer, find_attention_layers
+from titan_muon.attention.logits import (
     ContextParallelSequence,
     MaxLogitRecorder,
     held_rows,
 )
-from titan_muon.update import local_shard
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ def row_factors(layer: AttentionLayer, gamma: Tensor, clipped: Tensor, alpha: fl
 
 
 def qk_clip_layers(model: nn.Module, *, required: bool = True) -> list[AttentionLayer]:
-    """The attention layers of `model` (:func:`titan_muon.attention_layers.find_attention_layers`) QK-clip acts on.
+    """The attention layers of `model` (:func:`titan_muon.attention.layers.find_attention_layers`) QK-clip acts on.
 
     Raises on qk-norm, where rescaling the weights cannot change the logits, and (if
     ``required``) when there is no attention module at all.
@@ -193,7 +193,7 @@ class QKClip:
     ``metrics`` holds device tensors until read.
 
     Context parallel: ``context_parallel`` says how the sequence is cut over the CP group
-    (:class:`~titan_muon.attention_logits.ContextParallelSequence`); each rank records its
+    (:class:`~titan_muon.attention.logits.ContextParallelSequence`); each rank records its
     queries against the whole sequence's keys, and ``group`` must include the CP ranks (every
     rank of a CP group holds the same layers).
     """

@@ -1,0 +1,1 @@
+"""Attention-aware Muon: finding the attention layers, MuonClip (QK-clip) and Split."""

@@ -1,0 +1,1 @@
+"""DeMo (decoupled momentum across replicas): compressors and the step's replica agreement."""

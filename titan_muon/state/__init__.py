@@ -1,0 +1,1 @@
+"""Momentum storage (fp32, bf16, fp8), owner-held momentum, and checkpoints."""
