@@ -107,6 +107,8 @@ CASES = {
     "overlap-fp8-split": dict(overlap=True, momentum_dtype="fp8", row_blocks={"layers.*.wq": HEAD_DIM}),
     "small-window": dict(rounds_in_flight=1, exchange_memory_mb=64),
     "skip-policy": dict(nonfinite_grads="skip"),
+    "streaming-commit": dict(commit="streaming", rounds_in_flight=1, exchange_memory_mb=64),
+    "streaming-overlap-fp8": dict(commit="streaming", overlap=True, momentum_dtype="fp8"),
     "adamw-foreach": dict(adamw_implementation="foreach"),
     "adamw-for-loop": dict(adamw_implementation="for-loop"),
     "hierarchical": dict(hierarchical_exchange=True, ranks_per_node=2),

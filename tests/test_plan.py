@@ -136,12 +136,14 @@ def _preset_units():
 
 
 # (preset, W) where whole-matrix ownership cannot bring the sum over rounds of the busiest
-# owner within 10 % of the total over W with rounds of the default 4 GiB per owner: the round
+# owner within 10 % of the total over W with rounds of the default 512 MiB per owner: the round
 # that holds the large attention and dense-MLP matrices (30-33x an expert's Newton-Schulz
 # work) leaves the expert owners with less work than them unless a round may take ~10 GiB on
-# an owner (docs/scale.md). At W = 4096 one such matrix costs more than the mean share itself.
-MOE_EXCEPTIONS = {("DeepSeek-V3 671B", 1024), ("DeepSeek-V3 671B", 2048), ("DeepSeek-V3 671B", 4096),
-                  ("Kimi-K2 1T", 1024), ("Kimi-K2 1T", 2048), ("Kimi-K2 1T", 4096)}  # fmt: skip
+# an owner (docs/scale.md). At W = 256 that costs 1.13x (DeepSeek-V3) and 1.10x (Kimi K2) since
+# the default window went from 8 GiB to 1 GiB (issue 25: 3 GiB less per GPU); with 8 GiB they
+# were within 1.1x. At W = 4096 one such matrix costs more than the mean share itself.
+MOE_EXCEPTIONS = {("DeepSeek-V3 671B", 256), ("DeepSeek-V3 671B", 1024), ("DeepSeek-V3 671B", 2048), ("DeepSeek-V3 671B", 4096),
+                  ("Kimi-K2 1T", 256), ("Kimi-K2 1T", 1024), ("Kimi-K2 1T", 2048), ("Kimi-K2 1T", 4096)}  # fmt: skip
 
 
 @pytest.mark.parametrize("world", [8, 16, 64, 256, 1024, 4096])
@@ -149,7 +151,7 @@ MOE_EXCEPTIONS = {("DeepSeek-V3 671B", 1024), ("DeepSeek-V3 671B", 2048), ("Deep
 def test_rounds_keep_every_owner_busy_on_real_models(preset, world):
     """The plan's balance property: Σ over rounds of the busiest owner's Newton–Schulz work
     ≤ 1.1 × (total / W) whenever there are ≥ 4·W units, at the optimizer's default round size
-    (8 GiB per rank for 2 rounds in flight, bf16 on the wire and in NS). HSDP plans over the
+    (1 GiB per rank for 2 rounds in flight, bf16 on the wire and in NS). HSDP plans over the
     shard group: the same property at W = the shard group's size."""
     from titan_muon.settings import DEFAULT_EXCHANGE_MEMORY_MB, owner_bytes_per_element
 

@@ -30,11 +30,10 @@ from collections.abc import Mapping
 
 import torch
 from torch import Tensor
-from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from titan_muon import settings
-from titan_muon.algorithm.commit import StepWork, adamw_step, commit, stage_momentum
+from titan_muon.algorithm.commit import StepWork, adamw_step, commit, refuse_after_partial_step, stage_momentum
 from titan_muon.algorithm.matrix_step import MatrixStep
 from titan_muon.algorithm.orthogonalizer import Orthogonalizer
 from titan_muon.algorithm.update import Elementwise
@@ -46,7 +45,7 @@ from titan_muon.exchange.overlap import BackwardOverlap
 from titan_muon.exchange.params import MuonParam, build_units, collect_muon_params, locate
 from titan_muon.exchange.plan import OVERLAP_MIN_ROUNDS, Unit
 from titan_muon.exchange.transport import AcrossReplicas, Transport
-from titan_muon.exchange.verdict import Verdict, agree_on_gradients
+from titan_muon.exchange.verdict import Verdict, agree_on_gradients, align_gradient_placements
 from titan_muon.metrics import state_bytes, step_metrics, wire_bytes
 from titan_muon.state import checkpoint
 from titan_muon.state.momentum import momentum_storage
@@ -68,7 +67,9 @@ class Muon(Optimizer):
             NS and fp16 for Gram NS, fp32 elsewhere); comm_dtype ("auto", "fp32", "bf16"): the wire;
         adamw_betas, adamw_eps, adamw_implementation ("fused", "foreach", "for-loop");
         exchange_memory_mb: per-GPU MiB for the exchange buffers of the rounds in flight
-            (8192); an owner always takes at least one matrix per round;
+            (1024); an owner always takes at least one matrix per round;
+        commit: "atomic" (nothing written until every rank succeeded) or "streaming" (each
+            round's weights written as it returns: no rank holds every update; commit.py);
         rounds_in_flight (2); bucket_size_mb, buckets_in_flight: their deprecated names;
         nonfinite_grads: "raise" or "skip" the step, on every rank (``last_step_skipped``);
         row_blocks: Muon Split, FQN patterns -> row-block sizes (one block per head);
@@ -106,6 +107,7 @@ class Muon(Optimizer):
         bucket_size_mb: float | None = None,
         buckets_in_flight: int | None = None,
         nonfinite_grads: str = "raise",
+        commit: str = "atomic",
         row_blocks: Mapping[str, RowBlocks] | None = None,
         overlap: bool = False,
         momentum_dtype: str = "fp32",
@@ -122,7 +124,7 @@ class Muon(Optimizer):
         compile_elementwise: bool | None = None,
     ):
         ns_eps = settings.newton_schulz_eps(eps, ns_eps)
-        settings.check_options(ns_dtype, comm_dtype, nonfinite_grads, adamw_implementation)
+        settings.check_options(ns_dtype, comm_dtype, nonfinite_grads, adamw_implementation, commit)
         settings.check_hierarchy(hierarchical_exchange, ranks_per_node)
         self.demo = demo_settings(demo, demo_chunk, demo_topk, demo_alpha, replicate_group, momentum_dtype=momentum_dtype, overlap=overlap,
                                   shared_momentum=demo_shared_momentum)  # fmt: skip
@@ -133,7 +135,7 @@ class Muon(Optimizer):
             exchange_memory_mb, bucket_size_mb, rounds_in_flight, buckets_in_flight
         )
         self.ns_dtype_setting, self.comm_dtype_setting = ns_dtype, comm_dtype
-        self.nonfinite_grads, self.row_blocks, self.overlap = nonfinite_grads, dict(row_blocks or {}), overlap
+        self.nonfinite_grads, self.row_blocks, self.overlap, self.commit_mode = nonfinite_grads, dict(row_blocks or {}), overlap, commit
         self.adamw_implementation = adamw_implementation
         self.pipeline_group = pipeline_group
         self.storage = momentum_storage(momentum_dtype) if self.demo is None else demo_storage(self.demo)
@@ -236,28 +238,30 @@ class Muon(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         settings.check_step(self.param_groups, self.param_name)
+        refuse_after_partial_step(self.partially_applied)
         timer = StepTimer(self.device)
         timer.start("step")
         checkpoint.create_state(self)
-        self._align_gradients()
+        align_gradient_placements(self.param_groups)
         with phase("check_gradients"):
             verdict = self._agree_on_gradients()
         if verdict.skip_step:
             return loss
-        failure, work = StepFailure(), StepWork()
+        failure, work, streaming = StepFailure(), StepWork(), self.commit_mode == "streaming"
         if self.replicas is not None:
             with phase("demo_adamw_average"):
                 self.replicas.begin_step()
                 self.replicas.average_adamw_gradients(self.param_groups)
         MatrixStep(self.muon_params, self.state, self.owner_blocks, self.storage, self.comm_dtype, self.newton_schulz,
-                   self.elementwise, self.replicas, verdict, failure, timer, work).run(self.engines)  # fmt: skip
+                   self.elementwise, self.replicas, verdict, failure, timer, work, streaming).run(self.engines)  # fmt: skip
         with phase("stage_commit"):
             stage_momentum(self.storage, self._with_gradients(verdict, False), self.state, work, failure)
         with phase("agree_on_success"):
-            agree_on_success(self.transport, failure)
+            self.partially_applied = streaming  # until every rank has succeeded
+            agree_on_success(self.transport, failure, streaming)
+            self.partially_applied = False
         with phase("commit"):
-            commit(self.storage, self._with_gradients(verdict, False), self._with_gradients(verdict, True), self.state,
-                   self.param_groups, work, self.elementwise)  # fmt: skip
+            commit(self.storage, self._with_gradients(verdict, False), self._with_gradients(verdict, True), self.state, work, self.elementwise)
         with phase("adamw"):
             adamw_step(self.param_groups, self.state, self.adamw_implementation)
         timer.stop("step")
@@ -275,14 +279,6 @@ class Muon(Optimizer):
             self.skipped_steps += 1
             self._set_metrics({**wire_bytes(self.engines), "muon/skipped_steps": float(self.skipped_steps)})
         return verdict
-
-    def _align_gradients(self) -> None:
-        """Give every DTensor gradient its parameter's placements (plain DTensor autograd under
-        tensor parallel can leave one Partial); collectives on the device, no host reads."""
-        for group in self.param_groups:
-            for p in group["params"]:
-                if isinstance(p.grad, DTensor) and isinstance(p, DTensor) and tuple(p.grad.placements) != tuple(p.placements):
-                    p.grad = p.grad.redistribute(p.device_mesh, p.placements)
 
     @property
     def sharded_engines(self) -> list[ExchangeEngine]:
@@ -322,12 +318,14 @@ class Muon(Optimizer):
 
     hierarchical_exchange: bool | str = "auto"  # for copies of optimizers pickled before the option existed
     last_step_skipped: bool = False
+    commit_mode: str = "atomic"
+    partially_applied: bool = False  # a streaming step failed after writing: refuse until a checkpoint is loaded
     ranks_per_node: int | None = None
     compile_elementwise: bool | None = None
     _CARRIED = ("exchange_memory_mb", "rounds_in_flight", "ns_dtype_setting", "comm_dtype_setting", "nonfinite_grads",
                 "row_blocks", "overlap", "adamw_implementation", "storage", "skipped_steps", "owner_blocks", "pipeline_group",
                 "demo", "replicate_group", "hierarchical_exchange", "ranks_per_node", "last_step_skipped",
-                "compile_elementwise")  # fmt: skip
+                "compile_elementwise", "commit_mode")  # fmt: skip
 
     def __getstate__(self) -> dict:
         return {**super().__getstate__(), **{key: getattr(self, key) for key in self._CARRIED}}
@@ -348,3 +346,4 @@ class Muon(Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         """Refuse state saved under another Muon/AdamW assignment, before changing anything."""
         checkpoint.load_state_dict(self, state_dict, super().load_state_dict)
+        self.partially_applied = False

@@ -10,7 +10,8 @@ matrix work needs:
 * ``orthogonalize`` — what an owner computes for a round: the input of each batch (as it
   arrived; the owners' own Nesterov input; DeMo's average over the replicas), Newton–Schulz,
   the shape's scale;
-* ``receive`` — each returned update, kept for the commit with the block it updates.
+* ``receive`` — each returned update, kept for the commit with the block it updates or, with
+  ``streaming``, written into that block once its whole round has returned (``write_round``).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from titan_muon.algorithm.commit import StepWork, staged_state
+from titan_muon.algorithm.commit import StepWork, apply_updates, staged_state
 from titan_muon.algorithm.orthogonalizer import Orthogonalizer
 from titan_muon.algorithm.update import Elementwise
 from titan_muon.exchange.engine import ExchangeEngine, StepFailure
@@ -45,6 +46,7 @@ class MatrixStep:
     failure: StepFailure
     timer: StepTimer
     work: StepWork
+    streaming: bool = False  # commit="streaming": weights written round by round
     momenta: dict[int, Tensor] = field(default_factory=dict)  # decoded low-precision momentum, once per parameter
 
     def run(self, engines: list[ExchangeEngine]) -> None:
@@ -61,6 +63,7 @@ class MatrixStep:
                 key_of=lambda u, engine=engine: self.ns_key(engine.units[u]),
                 arrived=early.arrived if early is not None else None,
                 settle=(lambda r, s=s, engine=engine: self.replicas.settle(s, r, engine)) if self.replicas is not None else None,
+                returned=self.write_round if self.streaming else None,
             )  # fmt: skip
 
     def ns_key(self, unit: Unit) -> tuple[tuple[int, int], int]:
@@ -89,6 +92,12 @@ class MatrixStep:
         entry = self.params[engine.units[piece.unit].param]
         if id(entry.param) not in self.verdict.skipped:
             self.work.updates.append((entry, local_piece(entry.stack(entry.param), piece), update))
+
+    def write_round(self, r: int) -> None:
+        """commit="streaming": the returned round's updates go into the weights now, and go."""
+        with phase("commit_round"):
+            apply_updates(self.work.updates, self.elementwise)
+        self.work.updates.clear()
 
     # ------------------------------------------------------------------ owner side
 

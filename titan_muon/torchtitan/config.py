@@ -47,7 +47,7 @@ class Optimizer:
     for wide matrices (torchtitan 0.3.0 DistMuon's)."""
     exchange_memory_mb: float | None = None
     """Per-GPU MiB for the exchange buffers of the rounds in flight (pieces, whole matrices on
-    their owners, Newton-Schulz workspace, return buffers); unset: 8192. A round always holds
+    their owners, Newton-Schulz workspace, return buffers); unset: 1024. A round always holds
     at least one matrix per owner."""
     rounds_in_flight: int = 2
     """Owner-balanced rounds whose outbound all-to-all runs ahead of the owners' Newton-Schulz."""
@@ -72,6 +72,12 @@ class Optimizer:
     where it can (FlexAttention on CUDA) and blocks elsewhere (docs/muonclip.md)."""
     nonfinite_grads: Literal["raise", "skip"] = "raise"
     """What to do with a NaN/inf gradient: "raise" on every rank, or "skip" the step."""
+    commit: Literal["atomic", "streaming"] = "atomic"
+    """"atomic": nothing is written until every rank has succeeded (an error leaves weights and
+    state unchanged). "streaming": each round's weights are written as its updates return, so
+    no rank holds every update at once (1.6 GiB less per GPU on Llama-3 8B at 8 GPUs); an error
+    after the first write leaves the weights partially updated and the optimizer refuses to
+    step until a checkpoint is loaded (docs/reliability.md)."""
     demo: bool = False
     """DeMo across replicas (docs/demo.md): each data_parallel_replicate replica keeps its own
     momentum and the replicas exchange only its top demo_topk DCT coefficients per demo_chunk ×

@@ -40,6 +40,7 @@ def muon_kwargs(config: Any) -> dict[str, Any]:
         bucket_size_mb=config.bucket_size_mb,
         buckets_in_flight=config.buckets_in_flight,
         nonfinite_grads=config.nonfinite_grads,
+        commit=config.commit,
         overlap=config.overlap,
         demo=config.demo,
         demo_chunk=config.demo_chunk,
