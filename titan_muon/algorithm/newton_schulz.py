@@ -377,7 +377,9 @@ def orthogonalize(
     norm = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True)
     if method == "polar_express":
         norm = norm * POLAR_EXPRESS_SAFETY
-    x = (x / norm.clamp(min=eps)).to(dtype)
+    norm = norm.clamp(min=eps)
+    # A copy made above (another dtype) is ours to divide in place: one pass and one matrix fewer.
+    x = (x.div_(norm) if x.dtype != matrix.dtype else x / norm).to(dtype)
     schedule = coefficient_schedule(method, steps)
     if algorithm == "gram":
         x = gram_iterations(x, schedule, gram_segments(steps, dtype))
