@@ -63,13 +63,28 @@ def _peak(commit, shapes, steps=2):
 def test_streaming_drops_each_round_of_updates_once_written():
     # Eight equal matrices, one per round, one round in flight. During round r's Newton-Schulz
     # both commits hold round r - 1's pending return and (but in the last round) round r + 1's
-    # arrival; the atomic one also holds the updates of rounds 0 .. r - 2. Its peak is therefore
-    # at round 6 (= 7's: no arrival there), with rounds 0-4's updates on top of what streaming
-    # holds in any middle round: five fp32 matrices.
+    # arrival; the atomic one also holds the updates of rounds 0 .. r - 2. Both also keep one
+    # 4-byte squared update norm per finished round (muon/update_rms). The atomic peak is at round 7
+    # (round 6's bytes: one update more, no arrival, plus one more norm), streaming's at round 6
+    # (the last round with an arrival): five fp32 matrices and one norm apart.
     shapes = {f"w{i}": (64, 96) for i in range(8)}
     (atomic, rounds), (streaming, _) = _peak("atomic", shapes), _peak("streaming", shapes)
     assert rounds == 8
-    assert atomic - streaming == 5 * 64 * 96 * 4, (atomic, streaming)
+    assert atomic - streaming == 5 * 64 * 96 * 4 + 4, (atomic, streaming)
+
+
+def test_streaming_account_bounds_what_is_really_alive():
+    for memory in (None, 0.5):  # one round, then four
+        params = make_params(shapes=MEMORY_SHAPES)
+        tensors = {n: nn.Parameter(p) for n, p in params.items()}
+        opt = Muon(list(tensors.values()), lr=0.01, exchange_memory_mb=memory, commit="streaming")
+        for s in range(2):
+            for n, g in grads_for(s, params).items():
+                tensors[n].grad = g
+            with LiveBytes() as live:
+                opt.step()
+        account = opt.last_step_metrics["muon/peak_transient_bytes"]
+        assert live.peak <= account <= live.peak + _model_slack(opt), (memory, live.peak, account)
 
 
 def _fails_late(rank, world, failing_rank):

@@ -104,13 +104,18 @@ class MatrixStep:
     def orthogonalize(self, s: int, engine: ExchangeEngine, r: int, batches: list[Batch], scales: dict[int, float]) -> dict[int, Tensor]:
         results: dict[int, Tensor] = {}
         memory = self.work.memory
-        for batch, matrices in zip(batches, self._owner_inputs(s, engine, r, batches, scales)):
+        inputs = self._owner_inputs(s, engine, r, batches, scales)
+        # Inputs made here (the owners' Nesterov input, DeMo's) live beside the arrivals until the round's NS is done.
+        made = sum(m.numel() * m.element_size() for batch, m in zip(batches, inputs) if m is not batch.matrices)
+        memory.add(made)
+        for batch, matrices in zip(batches, inputs):
             workspace = self.newton_schulz.workspace_bytes(batch.key, matrices)
             memory.add(workspace)
             out = self.newton_schulz(batch.key, matrices, self.timer, self.work)
             memory.free(workspace)
-            memory.add(out.numel() * out.element_size())  # until the return buffer is packed (engine frees it)
+            memory.add(out.numel() * out.element_size() + 4)  # until the return buffer is packed; + the update's squared norm (metrics)
             results.update(zip(batch.units, out.unbind(0)))
+        memory.free(made)
         return results
 
     def _owner_inputs(self, s: int, engine: ExchangeEngine, r: int, batches: list[Batch], scales: dict[int, float]) -> list[Tensor]:

@@ -336,6 +336,24 @@ def gram_iterations(x: Tensor, schedule: list[tuple[float, float, float]], segme
     return x
 
 
+def workspace_bytes(batch: int, rows: int, cols: int, algorithm: str, dtype: torch.dtype, device_type: str) -> int:
+    """Peak bytes :func:`orthogonalize` allocates for a (batch, rows, cols) input in compute dtype
+    `dtype` with a resolved `algorithm`. Per matrix (short side m, long side n, itemsize s): three
+    m × n matrices in the NS dtype — the scaled input the caller keeps, the iterate and the next one
+    (fp16's fp32 scaled copy and its fp16 rounding, 4 + 2 bytes, are the same 3·s) — and the m × m
+    products: the Gram matrix and the polynomial, and for Gram NS also the accumulated polynomial and
+    the half-updated Gram matrix; and its norm, one scalar. On CPU a batch runs one matrix at a time and is then stacked, so the
+    earlier results and the stack are alive as well. Measured against storage lifetimes:
+    tests/test_newton_schulz.py::test_workspace_bytes_bound_what_is_alive."""
+    short, long = sorted((rows, cols))
+    itemsize = dtype.itemsize
+    per_matrix = itemsize * (3 * short * long + (4 if algorithm == "gram" else 2) * short * short) + 4  # + its norm
+    if device_type == "cpu" and batch > 1:
+        result = itemsize * rows * cols
+        return max(per_matrix + (batch - 1) * result, 2 * batch * result)
+    return batch * per_matrix
+
+
 def orthogonalize(
     matrix: Tensor,
     steps: int = 5,

@@ -243,14 +243,14 @@ class ExchangeEngine:
         """Every round's round trip, ``rounds_in_flight`` outbound trips ahead of the owners.
 
         Pieces travel out in `dtype` and come back in `return_dtype`. ``arrived``: rounds whose
-        outbound trip already happened (during backward). Returns the return exchanges, whose buffers hold the updates
+        outbound trip already happened (during backward), each taken out of the dict once used. Returns the return exchanges, whose buffers hold the updates
         handed to ``receive``: they stay alive until the commit. ``settle(r)``, if given, runs
         after round r's owner work on every rank, whether that work ran, failed or was skipped
         after an earlier failure: DeMo's owners complete their collective across replicas there.
         ``returned(r)``, if given, runs once round r's updates have all been handed to ``receive``
         (unless this rank failed before); the updates' buffer is then dropped, not held.
         """
-        arrived = dict(arrived or {})
+        arrived = arrived if arrived is not None else {}  # each taken out once used, so its buffers can go
         self.bytes_to_owners = 0
         for exchange in arrived.values():  # both buffers stay alive until the round is waited for
             memory.add(exchange.nbytes)
@@ -287,6 +287,7 @@ class ExchangeEngine:
                     with phase("disassemble"):
                         back = disassemble(tables, results, return_dtype, self.device)
                     memory.free(batch_bytes + sum(t.numel() * t.element_size() for t in results.values()))
+                    del batches, results  # not alive through the next round's Newton-Schulz
                 except Exception as error:  # noqa: BLE001 - settled on every rank in agree_on_success
                     failure.record(error, f"Newton-Schulz of round {r}")
             if settle is not None:
