@@ -101,10 +101,10 @@ def _record_q(opt, steps: list[dict], inputs: list[dict]) -> None:
                     steps[-1][name(engine, u)] = matrix.clone()
         return out
 
-    def recording_shared(s, engine, batch, average, *args):
+    def recording_shared(round_, batch, average):
         for u, matrix in zip(batch.units, average):
-            steps[-1][name(engine, u)] = matrix.clone()
-        return shared(s, engine, batch, average, *args)
+            steps[-1][name(round_.engine, u)] = matrix.clone()
+        return shared(round_, batch, average)
 
     opt.replicas.round_inputs = recording
     opt.replicas._shared_momentum_input = recording_shared

@@ -40,6 +40,7 @@ from titan_muon.algorithm.orthogonalizer import Orthogonalizer
 from titan_muon.algorithm.update import Elementwise
 from titan_muon.attention.split import RowBlocks
 from titan_muon.demo import dct as demo
+from titan_muon.demo import low_rank
 from titan_muon.demo.step import Replicas, check_groups, demo_settings, demo_storage
 from titan_muon.exchange.engine import EngineSettings, ExchangeEngine, StepFailure, agree_on_success, build_engines
 from titan_muon.exchange.overlap import BackwardOverlap
@@ -75,8 +76,8 @@ class Muon(Optimizer):
         momentum_dtype: "fp32", "bf16" or "fp8" (state.py);
         overlap: momentum on the owners, gradients sent during backward (overlap.py);
         pipeline_group: a non-finite gradient in any stage raises or skips in every stage;
-        demo, demo_chunk, demo_topk, demo_alpha, demo_shared_momentum, replicate_group: DeMo across
-            replicas (demo_step.py);
+        demo, demo_compressor ("dct", "low_rank"), demo_chunk, demo_topk (dct), demo_rank (low_rank),
+            demo_alpha, demo_shared_momentum, replicate_group: DeMo across replicas (demo/step.py);
         hierarchical_exchange ("auto", True, False), ranks_per_node: two-stage all-to-alls,
             within nodes and along rails (docs/exchange.md, "W = 4096");
         compile_elementwise: the element-wise passes as ``torch.compile``d kernels, one pass
@@ -116,6 +117,8 @@ class Muon(Optimizer):
         demo_topk: int = demo.DEFAULT_TOPK,
         demo_alpha: float = demo.DEFAULT_ALPHA,
         demo_shared_momentum: bool = demo.DEFAULT_SHARED_MOMENTUM,
+        demo_compressor: str = low_rank.DEFAULT_COMPRESSOR,
+        demo_rank: int = low_rank.DEFAULT_RANK,
         replicate_group=None,
         hierarchical_exchange: bool | str = "auto",
         ranks_per_node: int | None = None,
@@ -125,7 +128,7 @@ class Muon(Optimizer):
         settings.check_options(ns_dtype, comm_dtype, nonfinite_grads, adamw_implementation)
         settings.check_hierarchy(hierarchical_exchange, ranks_per_node)
         self.demo = demo_settings(demo, demo_chunk, demo_topk, demo_alpha, replicate_group, momentum_dtype=momentum_dtype, overlap=overlap,
-                                  shared_momentum=demo_shared_momentum)  # fmt: skip
+                                  shared_momentum=demo_shared_momentum, compressor=demo_compressor, rank=demo_rank)  # fmt: skip
         self.replicate_group = replicate_group
         self.hierarchical_exchange, self.ranks_per_node = hierarchical_exchange, ranks_per_node
         self.compile_elementwise = compile_elementwise
