@@ -281,16 +281,19 @@ def low_rank_allowances(old_momenta: list, factor: torch.Tensor, grads: list, ex
     return {"basis": d_basis, "left": d_left, "q": d_q, "momenta": d_momenta, "e_qr": e_qr}
 
 
-def exact_step(old_momenta: list, factor: torch.Tensor, grads: list, shared, beta, alpha, rank, nesterov=True) -> ReferenceLowRankDeMoMuon:
+def exact_step(old_momenta: list, factor: torch.Tensor, grads: list, shared, beta, alpha, rank, nesterov=True, lr=0.0, weight_decay=0.0,
+               param=None) -> ReferenceLowRankDeMoMuon:  # fmt: skip
     """The reference's step of one matrix "w" in float64 from fp32 state (old momenta, warm start,
-    the shared momentum or None without it): lr 0, so only the compressor's values matter."""
+    the shared momentum or None without it, the parameter before the step or None: zeros, with
+    lr 0 only the compressor's values matter). ``reference.params["w"]`` is the parameter after it."""
     replicas = len(grads)
-    reference = ReferenceLowRankDeMoMuon(replicas, 0.0, 0.0, beta, rank, alpha, shared_momentum=shared is not None, nesterov=nesterov)
+    reference = ReferenceLowRankDeMoMuon(replicas, lr, weight_decay, beta, rank, alpha, shared_momentum=shared is not None, nesterov=nesterov)
     reference.momenta = [{"w": old.double().clone()} for old in old_momenta]
     reference.factors = {"w": factor.double().clone()}
     if shared is not None:
         reference.shared = {"w": shared.double().clone()}
-    reference.step({"w": torch.zeros(grads[0].shape, dtype=torch.float64)}, [{"w": g.double()} for g in grads])
+    reference.params = {"w": torch.zeros(grads[0].shape, dtype=torch.float64) if param is None else param.double().clone()}
+    reference.step(reference.params, [{"w": g.double()} for g in grads])
     return reference
 
 
