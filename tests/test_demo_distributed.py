@@ -359,6 +359,8 @@ def _matrix_groups():
         (dict(demo=True, demo_chunk=0), "demo_chunk"),
         (dict(demo=True, demo_topk=64 * 64 + 1), "demo_topk"),
         (dict(demo=True, demo_alpha=1.5), "demo_alpha"),
+        (dict(demo=True, demo_compressor="svd"), "demo_compressor"),
+        (dict(demo=True, demo_compressor="low_rank", demo_rank=0), "demo_rank"),
         (dict(demo="yes"), "demo must be True or False"),
         (dict(replicate_group=object()), "replicate_group is only used with demo=True"),
     ],

@@ -83,6 +83,7 @@ def test_invalid_optimizer_value_is_named(tmp_path, line, key):
         (("--optimizer.no-nesterov", "--optimizer.demo_chunk", "0"), r"\[optimizer\] demo_chunk"),
         (("--optimizer.no-nesterov", "--optimizer.demo_topk", "5000"), r"\[optimizer\] demo_topk"),
         (("--optimizer.no-nesterov", "--optimizer.demo_alpha", "2"), r"\[optimizer\] demo_alpha"),
+        (("--optimizer.demo_compressor", "low_rank", "--optimizer.demo_rank", "0"), r"\[optimizer\] demo_rank"),
         (("--optimizer.momentum_dtype", "bf16"), r"\[optimizer\] momentum_dtype"),
         (("--optimizer.overlap",), r"\[optimizer\] demo = true does not support overlap"),
         (("--optimizer.no-nesterov", "--optimizer.name", "AdamW", "--optimizer.no-qk_clip"), r'demo = true needs name = "Muon"'),
@@ -102,6 +103,9 @@ def test_demo_keys_reach_the_optimizer():
     kwargs = muon_kwargs(optimizer)
     assert (kwargs["demo"], kwargs["demo_chunk"], kwargs["demo_topk"], kwargs["demo_alpha"]) == (True, 64, 4, 1.0)
     assert kwargs["demo_shared_momentum"] is False
+    assert (kwargs["demo_compressor"], kwargs["demo_rank"]) == ("dct", 4)  # the defaults
+    low_rank = muon_kwargs(parse("--optimizer.demo", "--optimizer.demo_compressor", "low_rank", "--optimizer.demo_rank", "8").optimizer)
+    assert (low_rank["demo_compressor"], low_rank["demo_rank"]) == ("low_rank", 8)
 
 
 def test_demo_is_one_switch_on_the_shipped_config(tmp_path):
