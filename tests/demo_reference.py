@@ -187,3 +187,26 @@ class ReferenceLowRankDeMoMuon:
             self.last_input[name] = ns_input
             u = orthogonalize(ns_input, self.ns_steps, dtype=p.dtype)
             p.copy_((1 - self.lr * self.wd) * p - self.lr * update_scale(self.adjust, rows, cols) * u)
+
+
+# ---------------------------------------------------------------- sign-compressed AdamW gradients (issue 27)
+
+
+def reference_sign_step(errors: list[torch.Tensor], grads: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+    """One step of error-feedback sign compression with per-row scales over R replicas, for one
+    tensor (rows: every dimension but the last), from the description of docs/demo.md: per
+    replica x = e + g (fp32, one IEEE addition as every implementation rounds it), the scale of
+    a row the mean of |x| over it (float64 here), the sign +1 where x ≥ 0 and −1 elsewhere; the
+    gradient AdamW gets is the replicas' mean of scale·sign; each replica keeps x − scale·sign.
+    Returns (average, new errors, scales), all float64."""
+    sent, new_errors, scales = [], [], []
+    for e, g in zip(errors, grads):
+        x = (e.float() + g.float()).double()
+        rows = x.reshape(-1, x.shape[-1])
+        scale = rows.abs().sum(dim=1) / rows.shape[1]
+        signs = torch.where(rows >= 0, 1.0, -1.0).to(torch.float64)
+        decoded = (signs * scale[:, None]).reshape(x.shape)
+        sent.append(decoded)
+        new_errors.append(x - decoded)
+        scales.append(scale)
+    return sum(sent) / len(sent), new_errors, scales

@@ -24,13 +24,16 @@ from titan_muon.algorithm.newton_schulz import orthogonalize
 from titan_muon.algorithm.update import update_scale
 from titan_muon.demo import dct as demo
 from titan_muon.demo.low_rank import LEFT_FACTOR_KEY
+from titan_muon.demo.sign import ERROR_KEY
 from titan_muon.demo.step import SHARED_MOMENTUM_KEY
 
 MUON = ("w1", "w2", "w3")
 ADAMW = ("bias", "head", "scale")
 # The defaults' DeMo-Muon (issue 27): α = 1 and a shared Nesterov momentum over the average.
+# AdamW gradients averaged densely here (demo_adamw="dense"); test_demo_low_rank_distributed runs the
+# default sign compression.
 SETTINGS = dict(lr=0.02, weight_decay=0.01, momentum=0.99, nesterov=True, ns_algorithm="standard", demo_chunk=64, demo_topk=8, demo_alpha=1.0,
-                demo_shared_momentum=True)  # fmt: skip
+                demo_shared_momentum=True, demo_adamw="dense")  # fmt: skip
 # DeMo as published (before issue 27): no shared momentum, α 0.2, no Nesterov.
 PUBLISHED = {**SETTINGS, "nesterov": False, "demo_alpha": 0.2, "demo_shared_momentum": False}
 ADAMW_SETTINGS = dict(lr=0.01, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
@@ -120,7 +123,7 @@ def _demo_run(rank, world, replicas, shards, steps, fed_grads=None, settings=SET
     fully_shard(model, mesh=mesh["dp_shard"])
     opt = Muon(_groups(model), **settings, demo=True, replicate_group=mesh.get_group("dp_replicate"))
     record = {"initial": {n: _full(p) for n, p in model.named_parameters()}, "grads": [], "params": [], "momenta": [], "q": [], "metrics": [],
-              "shared": [], "input": [], "factors": []}  # fmt: skip
+              "shared": [], "input": [], "factors": [], "adamw_errors": [], "adamw_grads": []}  # fmt: skip
     _record_q(opt, record["q"], record["input"])
     for step in range(steps):
         x, y = _batch(step, replica)
@@ -133,9 +136,11 @@ def _demo_run(rank, world, replicas, shards, steps, fed_grads=None, settings=SET
                 assert (own - given).abs().max() <= 1e-4 * given.abs().max(), n  # summation order only
                 p.grad.to_local().copy_(distribute_tensor(given, p.grad.device_mesh, p.grad.placements, src_data_rank=None).to_local())
         record["grads"].append({n: _full(p.grad) for n, p in params.items()})
+        record["adamw_errors"].append({n: _full(opt.state[params[n]][ERROR_KEY]) for n in ADAMW if ERROR_KEY in opt.state.get(params[n], {})})
         record["q"].append({})
         record["input"].append({})
         opt.step()
+        record["adamw_grads"].append({n: _full(params[n].grad) for n in ADAMW})  # the replicas' average, as AdamW used it
         opt.zero_grad()
         record["params"].append({n: _full(p) for n, p in model.named_parameters()})
         record["momenta"].append(_owner_momenta(opt))
@@ -146,6 +151,7 @@ def _demo_run(rank, world, replicas, shards, steps, fed_grads=None, settings=SET
     record["owned"] = [opt.muon_params[engines[s].units[u].param].name for s, u in opt.owner_blocks]
     record["owned_shapes"] = [engines[s].units[u].shape for s, u in opt.owner_blocks]
     record["adamw_local_numel"] = sum(p.to_local().numel() for n, p in model.named_parameters() if n in ADAMW)
+    record["adamw_local_shapes"] = {n: tuple(p.to_local().shape) for n, p in model.named_parameters() if n in ADAMW}
     record["replica"], record["shard"] = replica, shard
     return record
 
@@ -253,13 +259,14 @@ def _check_against_reference(rep, replicas, steps, what, settings=SETTINGS):
     return used
 
 
-def check_adamw(rep, replicas, steps, what):
-    """AdamW: free-running on the replicas' average gradient, elementwise (see _check_against_reference)."""
+def check_adamw(rep, replicas, steps, what, averages=None):
+    """AdamW: free-running on the replicas' average gradient (`averages[step][name]`: the ones to
+    use instead, checked elsewhere), elementwise (see _check_against_reference)."""
     adamw_params = {n: rep[0]["initial"][n].clone().requires_grad_() for n in ADAMW}
     adamw = torch.optim.AdamW(list(adamw_params.values()), fused=True, **ADAMW_SETTINGS)
     for step in range(steps):
         for n, p in adamw_params.items():  # summed in replica order, as the all-reduce does
-            p.grad = sum(rep[r]["grads"][step][n] for r in range(replicas)) / replicas
+            p.grad = sum(rep[r]["grads"][step][n] for r in range(replicas)) / replicas if averages is None else averages[step][n].clone()
         adamw.step()
         for n, p in adamw_params.items():
             bound = (step + 1) * 2 * FP32_ULP * p.detach().abs().max().item()
@@ -507,6 +514,7 @@ def _checkpoint_run(rank, world, replicas, shards, path, save, fed=None, setting
             return {"error": f"{type(error).__name__}: {error}"}
     momenta, shared = _owner_momenta(opt), _owner_momenta(opt, SHARED_MOMENTUM_KEY)
     factors = _owner_momenta(opt, LEFT_FACTOR_KEY) if settings.get("demo_compressor") == "low_rank" else {}
+    adamw_errors = {n: _full(opt.state[p][ERROR_KEY]) for n, p in model.named_parameters() if ERROR_KEY in opt.state.get(p, {})}
     backward(3)
     params = dict(model.named_parameters())
     if fed is not None:
@@ -514,7 +522,7 @@ def _checkpoint_run(rank, world, replicas, shards, path, save, fed=None, setting
             p.grad.to_local().copy_(distribute_tensor(fed[replica][n], p.grad.device_mesh, p.grad.placements, src_data_rank=None).to_local())
     grads = {n: _full(p.grad) for n, p in params.items()}
     opt.step()
-    return {"replica": replica, "shard": shard, "momenta": momenta, "shared": shared, "factors": factors, "grads": grads,
+    return {"replica": replica, "shard": shard, "momenta": momenta, "shared": shared, "factors": factors, "adamw_errors": adamw_errors, "grads": grads,
             "params": {n: _full(p) for n, p in model.named_parameters()}}  # fmt: skip
 
 

@@ -1,23 +1,29 @@
-"""Muon(demo=True, demo_compressor="low_rank") on R replicas × S shards (gloo, CPU) against
-ReferenceLowRankDeMoMuon, with the model, runs and records of test_demo_distributed.py."""
+"""Muon(demo=True, demo_compressor="low_rank") with the AdamW gradients sign-compressed (the
+default demo_adamw="sign") on R replicas × S shards (gloo, CPU) against ReferenceLowRankDeMoMuon
+and reference_sign_step, with the model, runs and records of test_demo_distributed.py."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
 from common import FP32_ULP
 from distributed import run_distributed
-from test_demo_distributed import MUON, NS_GAIN, SETTINGS, _by_replica, _checkpoint_run, _demo_run, _failing_run, check_adamw
-from test_demo_low_rank import U32, exact_step, low_rank_allowances, sign_align
+from demo_reference import reference_sign_step
+from test_demo_distributed import ADAMW, MUON, NS_GAIN, SETTINGS, _by_replica, _checkpoint_run, _demo_run, _failing_run, check_adamw
+from test_demo_low_rank import U32, _gamma, exact_step, low_rank_allowances, sign_align
 
 from titan_muon.algorithm.newton_schulz import orthogonalize
 from titan_muon.algorithm.update import update_scale
 from titan_muon.demo import dct as demo
-from titan_muon.demo import low_rank
+from titan_muon.demo import low_rank, sign
 
-# The defaults (α 1, shared Nesterov momentum, β = μ = 0.99) with the low-rank compressor at rank 4:
-# the 130×130 and the two 100×70 matrices all have k = 4.
-LOW_RANK = {**SETTINGS, "demo_compressor": "low_rank", "demo_rank": 4}
+# The defaults (α 1, shared Nesterov momentum, β = μ = 0.99, sign-compressed AdamW gradients) with
+# the low-rank compressor at rank 4: the 130×130 and the two 100×70 matrices all have k = 4. AdamW:
+# the 70×3 head is sign-compressed, the 130 bias and the 3-element scale are averaged densely.
+LOW_RANK = {**SETTINGS, "demo_compressor": "low_rank", "demo_rank": 4, "demo_adamw": "sign"}
+COMPRESSED, DENSE = ("head",), ("bias", "scale")
 STEPS = 4
 
 
@@ -82,8 +88,40 @@ def _check_low_rank(rep, replicas, steps, what, settings=LOW_RANK) -> list[float
                                   + 4 * (u32.double() - u64).norm().item()) + rounding  # fmt: skip
             check(rep[0]["params"][step][n], exact.params["w"], allowed, "parameter")
         used.append(worst)
-    check_adamw(rep, replicas, steps, what)
+    check_sign_adamw(rep, replicas, steps, what)
     return used
+
+
+def check_sign_adamw(rep, replicas, steps, what):
+    """The AdamW gradients, every step teacher-forced from each replica's error feedback before it
+    and the gradient it computed: every replica averages the same bits; a compressed one equals
+    reference_sign_step's mean within Σ_r |Δs_r| / R + γ_R·mean_r s_r elementwise (s_r a row's scale:
+    the fp32 mean of |x| over cols within γ_cols·s_r of the exact one; sign·s is exact, then the
+    replica sum and ÷R round), and each replica's new error x − s·sign within |Δs_r| + u·(|e'| + |Δs_r|)
+    (the subtraction; the signs are the same bits, x being one IEEE addition on both sides); a dense
+    one is (g_0 + g_1)/2 exactly (one commutative addition, an exact halving). Then AdamW on the
+    run's averages: torch's fused AdamW to the last bit of two roundings a step."""
+    for step in range(steps):
+        for n in ADAMW:
+            average = rep[0]["adamw_grads"][step][n]
+            for r in range(replicas):
+                assert torch.equal(rep[r]["adamw_grads"][step][n], average), f"{what} step {step}: AdamW gradient of {n} differs"
+            grads = [rep[r]["grads"][step][n] for r in range(replicas)]
+            if n in DENSE:
+                assert torch.equal(average, (grads[0] + grads[1]) / 2), f"{what} step {step} dense {n}"
+                continue
+            errors = [rep[r]["adamw_errors"][step].get(n, torch.zeros_like(grads[r])) for r in range(replicas)]
+            exact, new_errors, scales = reference_sign_step(errors, grads)
+            cols = grads[0].shape[-1]
+            d_scales = [_gamma(cols) * s for s in scales]
+            bound = sum(d[:, None] for d in d_scales) / replicas + _gamma(replicas) * sum(s[:, None] for s in scales) / replicas
+            assert ((average.double() - exact).abs() <= bound.expand(-1, cols).reshape(exact.shape)).all(), f"{what} step {step} AdamW gradient of {n}"
+            if step + 1 < steps:
+                for r in range(replicas):
+                    kept = rep[r]["adamw_errors"][step + 1][n].double()
+                    e_bound = d_scales[r][:, None] + U32 * (new_errors[r].abs().reshape(-1, cols) + d_scales[r][:, None])
+                    assert ((kept - new_errors[r]).abs().reshape(-1, cols) <= e_bound).all(), f"{what} step {step} error feedback of {n}, replica {r}"
+    check_adamw(rep, replicas, steps, what, [rep[0]["adamw_grads"][step] for step in range(steps)])
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +164,9 @@ def test_layout_independence_one_vs_two_shards(low_rank_two_by_two):
 
 def test_bytes_metrics(low_rank_two_by_two):
     """demo/bytes_sent: the ring all-reduces of each owner's factors, 2(R − 1)/R · 4(m + n)·k per
-    matrix it owns; demo/bytes_dense as with DCT."""
+    matrix it owns; demo/bytes_dense as with DCT; demo/adamw_bytes_sent the AdamW traffic (dense
+    all-reduce of 1-D gradients, all-gather of the sign payloads); the totals their sums and a
+    dense fp32 all-reduce of every gradient of the rank."""
     replicas = 2
     for record in low_rank_two_by_two:
         payload = sum(low_rank.payload_bytes(rows, cols, LOW_RANK["demo_rank"]) for rows, cols in record["owned_shapes"])
@@ -134,6 +174,14 @@ def test_bytes_metrics(low_rank_two_by_two):
         for metrics in record["metrics"]:
             assert metrics["demo/bytes_sent"] == demo.allreduce_bytes_sent(payload, replicas) == 2 * (replicas - 1) / replicas * payload
             assert metrics["demo/bytes_dense"] == demo.allreduce_bytes_sent(dense, replicas)
+            # AdamW: the dense tensors' ring all-reduce, the compressed one's all-gather of
+            # 4·rows + ⌈rows·cols / 8⌉ bytes padded to a multiple of 4, (R − 1) times.
+            shapes = record["adamw_local_shapes"]
+            signed = sum(sign.payload_bytes(*shapes[n]) for n in COMPRESSED if shapes[n][0])
+            adamw = demo.allreduce_bytes_sent(4 * sum(math.prod(shapes[n]) for n in DENSE), replicas) + (replicas - 1) * (signed + -signed % 4)
+            assert metrics["demo/adamw_bytes_sent"] == adamw
+            assert metrics["demo/total_bytes_sent"] == metrics["demo/bytes_sent"] + adamw
+            assert metrics["demo/total_bytes_dense"] == demo.allreduce_bytes_sent(dense + 4 * record["adamw_local_numel"], replicas)
     # 130×130 at k = 4: (130 + 130)·4 fp32 = 4,160 bytes, at R = 2 sent once.
     assert low_rank.payload_bytes(130, 130, 4) == 4160
 
@@ -149,8 +197,8 @@ def test_failing_owners_stop_every_replica():
 
 def test_checkpoint_resumes_exactly(tmp_path):
     """3 steps on 2 × 2, a DCP checkpoint, loaded on 2 × 1 over other weights: every replica's
-    momentum and the replica-identical warm start and shared momentum (saved once, resharded along
-    the rows like the weights) come back bit for bit, and the 4th step, on the same gradients,
+    momentum and AdamW error feedback (saved per replica) and the replica-identical warm start and
+    shared momentum (saved once, resharded along the rows like the weights) come back bit for bit, and the 4th step, on the same gradients,
     equals the straight run's up to the last bits of the shard updates."""
     path = str(tmp_path / "low_rank_checkpoint")
     straight = run_distributed(_checkpoint_run, 4, 2, 2, path, True, None, LOW_RANK)
@@ -163,6 +211,11 @@ def test_checkpoint_resumes_exactly(tmp_path):
             assert sorted(after) == sorted(before) == sorted(MUON), key
             for n in MUON:
                 assert before[n].abs().sum() > 0 and torch.equal(after[n], before[n]), (key, k, n)
+        for r in (r for r in loaded if r["replica"] == k):  # every rank of the replica holds all of it (gathered)
+            errors_before = next(x for x in straight if x["replica"] == k)["adamw_errors"]
+            assert sorted(r["adamw_errors"]) == list(COMPRESSED)
+            for n in COMPRESSED:
+                assert errors_before[n].abs().sum() > 0 and torch.equal(r["adamw_errors"][n], errors_before[n]), (k, n)
     expected = straight[0]["params"]
     for n, p in loaded[0]["params"].items():
         assert (p - expected[n]).abs().max() <= 2 * FP32_ULP * expected[n].abs().max(), n

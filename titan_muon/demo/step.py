@@ -39,9 +39,9 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from titan_muon.algorithm.commit import staged_state
 from titan_muon.algorithm.update import local_shard
 from titan_muon.demo import dct as demo
-from titan_muon.demo import low_rank
+from titan_muon.demo import low_rank, sign
 from titan_muon.demo.low_rank import LEFT_FACTOR_KEY
-from titan_muon.exchange.engine import ExchangeEngine
+from titan_muon.exchange.engine import ExchangeEngine, StepFailure
 from titan_muon.exchange.redistribute import Batch
 from titan_muon.exchange.transport import Transport
 from titan_muon.state.momentum import Fp32Storage
@@ -60,17 +60,19 @@ class DemoSettings:
     shared_momentum: bool = demo.DEFAULT_SHARED_MOMENTUM
     compressor: str = low_rank.DEFAULT_COMPRESSOR  # "dct" (chunked DCT top-k) or "low_rank"
     rank: int = low_rank.DEFAULT_RANK  # low_rank's k (demo_rank)
+    adamw: str = sign.DEFAULT_ADAMW  # "dense" or "sign": how the AdamW gradients cross replicas (demo_adamw)
 
     @property
     def fingerprint(self) -> tuple:
         """What every replica must agree on (Replicas.check_consistent): numbers only, since Python
         salts the hashes of strings per process."""
-        return (self.chunk, self.topk, self.alpha, self.shared_momentum, low_rank.COMPRESSORS.index(self.compressor), self.rank)
+        return (self.chunk, self.topk, self.alpha, self.shared_momentum, low_rank.COMPRESSORS.index(self.compressor), self.rank,
+                sign.ADAMW_CHOICES.index(self.adamw))  # fmt: skip
 
 
 def demo_settings(enabled, chunk, topk, alpha, replicate_group, *, momentum_dtype: str, overlap: bool,
                   shared_momentum: bool = demo.DEFAULT_SHARED_MOMENTUM, compressor: str = low_rank.DEFAULT_COMPRESSOR,
-                  rank: int = low_rank.DEFAULT_RANK) -> DemoSettings | None:  # fmt: skip
+                  rank: int = low_rank.DEFAULT_RANK, adamw: str = sign.DEFAULT_ADAMW) -> DemoSettings | None:  # fmt: skip
     """The settings of ``Muon(demo=...)``, or None when off; ValueError naming the option otherwise."""
     if not isinstance(enabled, bool):
         raise ValueError(f"titan_muon.Muon: demo must be True or False, got {enabled!r}")  # noqa: TRY004 - a bad option value
@@ -82,6 +84,8 @@ def demo_settings(enabled, chunk, topk, alpha, replicate_group, *, momentum_dtyp
         raise ValueError(f"titan_muon.Muon: demo_shared_momentum must be True or False, got {shared_momentum!r}")  # noqa: TRY004
     if not isinstance(compressor, str) or compressor not in low_rank.COMPRESSORS:
         raise ValueError(f"titan_muon.Muon: demo_compressor must be one of {low_rank.COMPRESSORS}, got {compressor!r}")
+    if not isinstance(adamw, str) or adamw not in sign.ADAMW_CHOICES:
+        raise ValueError(f"titan_muon.Muon: demo_adamw must be one of {sign.ADAMW_CHOICES}, got {adamw!r}")
     try:
         demo.validate_settings(chunk, topk, alpha)
         low_rank.validate_rank(rank)
@@ -101,7 +105,7 @@ def demo_settings(enabled, chunk, topk, alpha, replicate_group, *, momentum_dtyp
         )
     if overlap:
         raise ValueError("titan_muon.Muon: demo=True does not support overlap=True yet (gradients are sent in step())")
-    return DemoSettings(chunk, topk, float(alpha), shared_momentum, compressor, rank)
+    return DemoSettings(chunk, topk, float(alpha), shared_momentum, compressor, rank, adamw)
 
 
 class DemoStorage(Fp32Storage):
@@ -260,8 +264,11 @@ class Replicas:
     def begin_step(self) -> None:
         self.collectives_done: dict[tuple[int, int], int] = {}  # (rank set, round) -> its collectives run so far
         self.dense_bytes = 0  # what a dense all-reduce would have carried of those rounds' matrices
+        self.payload_sent = 0  # dct: the payloads' all-gathers, as sent ((R − 1) × payload)
         self.allreduced_bytes = 0  # low_rank: the factors all-reduced (before the ring's 2(R − 1)/R)
-        self.adamw_bytes = 0
+        self.adamw_bytes = 0  # dense AdamW gradients all-reduced (before the ring's 2(R − 1)/R)
+        self.adamw_sent = 0  # sign-compressed AdamW payloads all-gathered, as sent ((R − 1) × payload)
+        self.adamw_dense_bytes = 0  # every AdamW gradient as dense fp32 (what a full sync would all-reduce)
         self.transport.bytes_sent = self.transport.bytes_received = 0
 
     def round_inputs(self, s: int, r: int, engine: ExchangeEngine, batches: list[Batch], owner_blocks: dict, params: list,
@@ -378,6 +385,7 @@ class Replicas:
         if done == 0:
             self.dense_bytes += sum(demo.dense_bytes(*engine.units[u].shape) for u in engine.tables[r].owned)
         if self.settings.compressor == "dct":
+            self.payload_sent += (self.count - 1) * send.numel()
             return self.transport.all_gather(send)
         self.allreduced_bytes += send.numel() * send.element_size()
         return self.transport.all_reduce(send).div_(self.count)
@@ -414,20 +422,99 @@ class Replicas:
 
     # ------------------------------------------------------------ AdamW groups
 
-    def average_adamw_gradients(self, param_groups: list[dict]) -> None:
-        """AVG all-reduce of the AdamW groups' (local) gradients over the replicas, in place, one
-        collective per gradient dtype (SUM then 1/R: gloo has no AVG)."""
+    def compresses(self, p: Tensor) -> bool:
+        """Whether AdamW parameter `p`'s gradient is sign-compressed (``demo_adamw="sign"``, two
+        dimensions or more) rather than averaged densely."""
+        return self.settings.adamw == "sign" and sign.compressed(tuple(p.shape))
+
+    def new_adamw_state(self, p: Tensor) -> dict[str, Tensor]:
+        """The AdamW state DeMo adds to `p`'s: the replica's own error-feedback buffer (fp32,
+        laid out like `p`) when its gradient is sign-compressed."""
+        return {sign.ERROR_KEY: torch.zeros_like(p, dtype=torch.float32)} if self.compresses(p) else {}
+
+    def check_adamw_layout(self, param_groups: list[dict], name_of) -> None:
+        """Sign compression scales whole rows: refuse (naming the option) a compressed AdamW
+        parameter whose last dimension is split between ranks (tensor-parallel column shards)."""
+        for gi, group in enumerate(param_groups):
+            if group["use_muon"]:
+                continue
+            for pi, p in enumerate(group["params"]):
+                if self.compresses(p) and isinstance(p, DTensor) and any(isinstance(pl, Shard) and pl.dim in (-1, p.ndim - 1) for pl in p.placements):
+                    raise ValueError(
+                        f"titan_muon.Muon: demo_adamw='sign' scales whole rows of each AdamW gradient, but {name_of(gi, pi)!r} is "
+                        f"sharded along its last dimension ({p.placements}); use demo_adamw='dense'"
+                    )
+
+    def average_adamw_gradients(self, param_groups: list[dict], state: dict, failure: StepFailure, work) -> None:
+        """Replace the AdamW groups' (local) gradients by the replicas' average, in place: dense
+        ones by an all-reduce per gradient dtype (SUM then 1/R: gloo has no AVG), sign-compressed
+        ones by one all-gather of every payload (:meth:`_average_signs`)."""
         by_dtype: dict[torch.dtype, list[Tensor]] = {}
+        compressed: list[Tensor] = []
         for group in param_groups:
             if not group["use_muon"]:
                 for p in group["params"]:
-                    if p.grad is not None and local_shard(p.grad).numel():
+                    if p.grad is None or not local_shard(p.grad).numel():
+                        continue
+                    if self.compresses(p):
+                        compressed.append(p)
+                    else:
                         by_dtype.setdefault(p.grad.dtype, []).append(local_shard(p.grad))
         for grads in by_dtype.values():
             flat = self.transport.all_reduce(torch.cat([g.reshape(-1) for g in grads]))
             flat.div_(self.count)
             torch._foreach_copy_(grads, [part.view_as(g) for part, g in zip(flat.split([g.numel() for g in grads]), grads)])
             self.adamw_bytes += flat.numel() * flat.element_size()
+        self.adamw_dense_bytes = 4 * sum(g.numel() for grads in by_dtype.values() for g in grads)
+        if compressed:
+            self.adamw_dense_bytes += 4 * sum(local_shard(p.grad).numel() for p in compressed)
+            self._average_signs(compressed, state, failure, work)
+
+    def _average_signs(self, params: list[Tensor], state: dict, failure: StepFailure, work) -> None:
+        """demo/sign.py on every compressed AdamW gradient of this rank: one all-gather over the
+        replicas of all scales (fp32), then all bits (padded to a multiple of 4 bytes, so that every
+        replica's scales start 4-byte aligned), each replica's average decoded in replica order, the
+        new error-feedback buffers staged for the commit. A failure here is recorded in `failure`
+        after this rank has still joined the all-gather (with zeros), so no replica waits."""
+        shapes = [tuple(sign.rows_of(local_shard(p.grad)).shape) for p in params]
+        scale_bytes = sum(4 * rows for rows, _ in shapes)
+        bit_sizes = [sign.bits_bytes(rows * cols) for rows, cols in shapes]
+        size = scale_bytes + sum(bit_sizes)
+        size += -size % 4
+        inputs: list[Tensor] = []
+        send = None
+        if failure.error is None:
+            try:
+                scales, bits = [], []
+                for p in params:
+                    x = sign.rows_of(local_shard(state[p][sign.ERROR_KEY])) + sign.rows_of(local_shard(p.grad)).float()
+                    work.memory.add(x.numel() * 4)
+                    s, b = sign.compress(x)
+                    inputs.append(x)
+                    scales.append(s)
+                    bits.append(b)
+                send = torch.cat([s.view(torch.uint8) for s in scales] + bits)
+                send = torch.nn.functional.pad(send, (0, size - send.numel()))
+            except Exception as error:  # noqa: BLE001 - settled on every rank in agree_on_success
+                failure.record(error, "compressing the AdamW gradients")
+        if send is None:
+            send = torch.zeros(size, dtype=torch.uint8, device=self.transport.device)
+        gathered = self.transport.all_gather(send)  # (R, size); every row starts at a multiple of 4 bytes
+        self.adamw_sent += (self.count - 1) * size
+        if failure.error is not None:
+            return
+        try:
+            replica_scales = [row[:scale_bytes].view(torch.float32).split([rows for rows, _ in shapes]) for row in gathered]
+            replica_bits = [row[scale_bytes : scale_bytes + sum(bit_sizes)].split(bit_sizes) for row in gathered]
+            mine = self.transport.rank
+            for i, (p, x, shape) in enumerate(zip(params, inputs, shapes)):
+                grad = local_shard(p.grad)
+                average = sign.average_decoded([s[i] for s in replica_scales], [b[i] for b in replica_bits], shape)
+                error = x.sub_(sign.decode(replica_scales[mine][i], replica_bits[mine][i], shape))  # x − own decode
+                work.staged.append((state[p], {sign.ERROR_KEY: _like(state[p][sign.ERROR_KEY], error.view(grad.shape))}))
+                grad.copy_(average.view(grad.shape))
+        except Exception as error:  # noqa: BLE001 - settled on every rank in agree_on_success
+            failure.record(error, "averaging the AdamW gradients")
 
     # ------------------------------------------------------------ checkpoints
 
@@ -481,16 +568,30 @@ class Replicas:
     # ------------------------------------------------------------ metrics
 
     def metrics(self) -> dict[str, float]:
-        """This rank's bytes per step (docs/demo.md): ``demo/bytes_sent`` the all-gathers of its
-        owned matrices' payloads ((R − 1)·payload, ring) or with low_rank the all-reduces of their
-        factors (2(R − 1)/R · bytes, ring), ``demo/bytes_dense`` what a ring
-        all-reduce of the same matrices' fp32 gradients would send (2(R − 1)/R · bytes), and
-        ``demo/adamw_bytes_sent`` the AdamW gradients' dense average (ring all-reduce, same model)."""
+        """This rank's bytes across replicas per step, ring wire model (docs/demo.md "Bytes"):
+        ``demo/bytes_sent``, the Muon matrices it owns: all-gathers of DCT payloads ((R − 1) ×
+        payload) or all-reduces of low-rank factors (2(R − 1)/R × bytes); ``demo/bytes_dense``, a
+        ring all-reduce of the same matrices' fp32 gradients; ``demo/adamw_bytes_sent``, its AdamW
+        gradients: the dense ones' all-reduce plus the sign payloads' all-gather; the totals
+        ``demo/total_bytes_sent`` (the two sent) and ``demo/total_bytes_dense`` (what a dense fp32
+        all-reduce of every gradient of this rank would send: HSDP's full sync)."""
+        muon = self.payload_sent + demo.allreduce_bytes_sent(self.allreduced_bytes, self.count)
+        adamw = demo.allreduce_bytes_sent(self.adamw_bytes, self.count) + self.adamw_sent
+        dense = demo.allreduce_bytes_sent(self.dense_bytes, self.count)
         return {
-            "demo/bytes_sent": float(self.transport.bytes_sent + demo.allreduce_bytes_sent(self.allreduced_bytes, self.count)),
-            "demo/bytes_dense": float(demo.allreduce_bytes_sent(self.dense_bytes, self.count)),
-            "demo/adamw_bytes_sent": float(demo.allreduce_bytes_sent(self.adamw_bytes, self.count)),
+            "demo/bytes_sent": float(muon),
+            "demo/bytes_dense": float(dense),
+            "demo/adamw_bytes_sent": float(adamw),
+            "demo/total_bytes_sent": float(muon + adamw),
+            "demo/total_bytes_dense": float(dense + demo.allreduce_bytes_sent(self.adamw_dense_bytes, self.count)),
         }
+
+
+def _like(reference: Tensor, local: Tensor) -> Tensor:
+    """`local` as a tensor laid out like `reference` (a DTensor's local block, or plain)."""
+    if isinstance(reference, DTensor):
+        return DTensor.from_local(local, reference.device_mesh, reference.placements, shape=reference.shape, stride=reference.stride())
+    return local
 
 
 def _shifted(placement, param: Tensor):

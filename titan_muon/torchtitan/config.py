@@ -87,6 +87,10 @@ class Optimizer:
     demo_topk: int = demo_math.DEFAULT_TOPK
     demo_rank: int = demo_low_rank.DEFAULT_RANK
     """The low_rank compressor's rank k (min(k, rows, cols) per matrix)."""
+    demo_adamw: Literal["sign", "dense"] = "sign"
+    """How the AdamW gradients (embeddings, output head, norms) cross replicas with demo: "sign",
+    each row's mean magnitude and one sign bit per element with error feedback (tensors of 2+
+    dimensions; 1-D ones dense), about 1/32 of the bytes; "dense", an fp32 all-reduce."""
     demo_alpha: float = demo_math.DEFAULT_ALPHA
     """Share of what was sent that is subtracted from the replica's own buffer (error feedback);
     1 (the default): the buffer keeps only what was not sent."""
