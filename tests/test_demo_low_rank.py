@@ -31,7 +31,7 @@ import math
 
 import pytest
 import torch
-from demo_reference import ReferenceLowRankDeMoMuon, gram_schmidt, reference_start
+from demo_reference import ReferenceLowRankDeMoMuon, reference_start
 
 from titan_muon.algorithm.newton_schulz import orthogonalize
 from titan_muon.algorithm.update import update_scale
@@ -176,7 +176,7 @@ class LowRankPipeline:
                 params[n].mul_(1 - self.lr * self.wd).sub_(self.lr * update_scale(None, *shape) * u[i])
 
 
-SETTINGS = dict(lr=0.02, wd=0.01, beta=0.95, rank=4, alpha=1.0)
+SETTINGS = {"lr": 0.02, "wd": 0.01, "beta": 0.95, "rank": 4, "alpha": 1.0}
 
 
 def _reference(replicas, settings=SETTINGS, **kwargs):

@@ -9,9 +9,19 @@ import math
 import pytest
 import torch
 from common import FP32_ULP
-from distributed import run_distributed
 from demo_reference import reference_sign_step
-from test_demo_distributed import ADAMW, MUON, NS_GAIN, SETTINGS, _by_replica, _checkpoint_run, _demo_run, _failing_run, check_adamw
+from distributed import run_distributed
+from test_demo_distributed import (
+    ADAMW,
+    MUON,
+    NS_GAIN,
+    SETTINGS,
+    _by_replica,
+    _checkpoint_run,
+    _demo_run,
+    _failing_run,
+    check_adamw,
+)
 from test_demo_low_rank import U32, _gamma, exact_step, low_rank_allowances, sign_align
 
 from titan_muon.algorithm.newton_schulz import orthogonalize
@@ -56,10 +66,10 @@ def _check_low_rank(rep, replicas, steps, what, settings=LOW_RANK) -> list[float
             exact = exact_step(old, factor, grads, shared, beta, alpha, rank, s["nesterov"], s["lr"], s["weight_decay"], before[n])
             allow = low_rank_allowances(old, factor, grads, exact, beta, alpha, rank)
 
-            def check(value, expected, allowance, label):
+            def check(value, expected, allowance, label, where=f"{what} step {step}", n=n):
                 nonlocal worst
                 diff = (value.double() - expected).norm().item()
-                assert diff <= allowance, f"{what} step {step} {label} of {n}: {diff / allowance:.3g} of the allowance"
+                assert diff <= allowance, f"{where} {label} of {n}: {diff / allowance:.3g} of the allowance"
                 worst = max(worst, diff / allowance)
 
             for r in range(replicas):

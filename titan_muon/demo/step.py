@@ -13,6 +13,11 @@ round and per batch of equal-shape matrices (:meth:`Replicas.round_inputs`):
 
 (the shared momentum S, with ``demo_shared_momentum``, is the same on every replica and kept
 on the owners next to the replica's own buffer M, under the state key ``SHARED_MOMENTUM_KEY``).
+With ``demo_compressor="low_rank"`` the round's payload is low_rank.py's instead: one all-reduce
+of every right factor Q_r = AᵀP of the round, the QR basis Q̂, one all-reduce of every left
+factor P_r = AQ̂, q = P̄Q̂ᵀ, the warm start P̄ kept on the owners (``LEFT_FACTOR_KEY``).
+AdamW gradients are averaged over the replicas before the exchange, densely or, with
+``demo_adamw="sign"``, as sign.py's payloads (one all-gather per step).
 The input goes on to Newton–Schulz, and the update back through the exchange's return trip. The plan
 is the same in every replica, so the owner of a matrix sits at the same place in each, and the
 replicate group (the ranks at one place) is exactly that matrix's owners. The new momentum is
