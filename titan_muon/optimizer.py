@@ -39,6 +39,7 @@ from titan_muon.algorithm.orthogonalizer import Orthogonalizer
 from titan_muon.algorithm.update import Elementwise
 from titan_muon.attention.split import RowBlocks
 from titan_muon.demo import dct as demo
+from titan_muon.demo import low_rank, sign
 from titan_muon.demo.step import Replicas, check_groups, demo_settings, demo_storage
 from titan_muon.exchange.engine import EngineSettings, ExchangeEngine, StepFailure, agree_on_success, build_engines
 from titan_muon.exchange.overlap import BackwardOverlap
@@ -76,8 +77,9 @@ class Muon(Optimizer):
         momentum_dtype: "fp32", "bf16" or "fp8" (state.py);
         overlap: momentum on the owners, gradients sent during backward (overlap.py);
         pipeline_group: a non-finite gradient in any stage raises or skips in every stage;
-        demo, demo_chunk, demo_topk, demo_alpha, demo_shared_momentum, replicate_group: DeMo across
-            replicas (demo_step.py);
+        demo, demo_compressor ("dct", "low_rank"), demo_chunk, demo_topk (dct), demo_rank (low_rank),
+            demo_alpha, demo_shared_momentum, demo_adamw ("sign", "dense": the AdamW gradients),
+            replicate_group: DeMo across replicas (demo/step.py);
         hierarchical_exchange ("auto", True, False), ranks_per_node: two-stage all-to-alls,
             within nodes and along rails (docs/exchange.md, "W = 4096");
         compile_elementwise: the element-wise passes as ``torch.compile``d kernels, one pass
@@ -118,6 +120,9 @@ class Muon(Optimizer):
         demo_topk: int = demo.DEFAULT_TOPK,
         demo_alpha: float = demo.DEFAULT_ALPHA,
         demo_shared_momentum: bool = demo.DEFAULT_SHARED_MOMENTUM,
+        demo_compressor: str = low_rank.DEFAULT_COMPRESSOR,
+        demo_rank: int = low_rank.DEFAULT_RANK,
+        demo_adamw: str = sign.DEFAULT_ADAMW,
         replicate_group=None,
         hierarchical_exchange: bool | str = "auto",
         ranks_per_node: int | None = None,
@@ -127,7 +132,7 @@ class Muon(Optimizer):
         settings.check_options(ns_dtype, comm_dtype, nonfinite_grads, adamw_implementation, commit)
         settings.check_hierarchy(hierarchical_exchange, ranks_per_node)
         self.demo = demo_settings(demo, demo_chunk, demo_topk, demo_alpha, replicate_group, momentum_dtype=momentum_dtype, overlap=overlap,
-                                  shared_momentum=demo_shared_momentum)  # fmt: skip
+                                  shared_momentum=demo_shared_momentum, compressor=demo_compressor, rank=demo_rank, adamw=demo_adamw)  # fmt: skip
         self.replicate_group = replicate_group
         self.hierarchical_exchange, self.ranks_per_node = hierarchical_exchange, ranks_per_node
         self.compile_elementwise = compile_elementwise
@@ -224,6 +229,7 @@ class Muon(Optimizer):
         self.replicas = None
         if self.demo is not None:  # after the plans: every replica must have made the same ones
             self.replicas = Replicas(self.demo, self.replicate_group, self.device)
+            self.replicas.check_adamw_layout(self.param_groups, self.param_name)
             self.transport = AcrossReplicas(self.transport, self.replicas.transport)
             params = [p for g in self.param_groups for p in g["params"]]
             self.replicas.check_consistent(params, self._names, hash(tuple(e.plan.fingerprint() for e in self.engines)))
@@ -251,7 +257,7 @@ class Muon(Optimizer):
         if self.replicas is not None:
             with phase("demo_adamw_average"):
                 self.replicas.begin_step()
-                self.replicas.average_adamw_gradients(self.param_groups)
+                self.replicas.average_adamw_gradients(self.param_groups, self.state, failure, work)
         MatrixStep(self.muon_params, self.state, self.owner_blocks, self.storage, self.comm_dtype, self.newton_schulz,
                    self.elementwise, self.replicas, verdict, failure, timer, work, streaming).run(self.engines)  # fmt: skip
         with phase("stage_commit"):

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, get_args, get_type_hints
 
 from titan_muon.demo import dct as demo_math
+from titan_muon.demo import low_rank as demo_low_rank
 from titan_muon.settings import ADAMW_IMPLEMENTATIONS
 
 OPTIMIZER_NAMES = ("Muon", "AdamW", "Adam")
@@ -84,8 +85,18 @@ class Optimizer:
     demo_chunk chunk instead of all-reducing gradients. Needs data_parallel_replicate_degree >= 2
     and the other settings as they are (momentum, nesterov: those of the shared momentum, see
     demo_shared_momentum; momentum_dtype "fp32")."""
+    demo_compressor: Literal["dct", "low_rank"] = "dct"
+    """What the replicas exchange of each Muon matrix's momentum: "dct", the top demo_topk DCT
+    coefficients of every demo_chunk × demo_chunk chunk (all-gathered); "low_rank", a rank-demo_rank
+    projection on a warm-started basis shared by the replicas (PowerSGD-style, two all-reduces)."""
     demo_chunk: int = demo_math.DEFAULT_CHUNK
     demo_topk: int = demo_math.DEFAULT_TOPK
+    demo_rank: int = demo_low_rank.DEFAULT_RANK
+    """The low_rank compressor's rank k (min(k, rows, cols) per matrix)."""
+    demo_adamw: Literal["sign", "dense"] = "sign"
+    """How the AdamW gradients (embeddings, output head, norms) cross replicas with demo: "sign",
+    each row's mean magnitude and one sign bit per element with error feedback (tensors of 2+
+    dimensions; 1-D ones dense), about 1/32 of the bytes; "dense", an fp32 all-reduce."""
     demo_alpha: float = demo_math.DEFAULT_ALPHA
     """Share of what was sent that is subtracted from the replica's own buffer (error feedback);
     1 (the default): the buffer keeps only what was not sent."""
@@ -214,6 +225,7 @@ def _validate_demo(config: Any, fail) -> None:
         raise ValueError(f'[optimizer] demo = true needs name = "Muon", got name = {config.name!r}')
     try:
         demo_math.validate_settings(config.demo_chunk, config.demo_topk, config.demo_alpha)
+        demo_low_rank.validate_rank(config.demo_rank)
     except ValueError as error:
         raise ValueError(f"[optimizer] {error}") from None
     if config.nesterov and not config.demo_shared_momentum:

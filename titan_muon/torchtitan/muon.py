@@ -47,6 +47,9 @@ def muon_kwargs(config: Any) -> dict[str, Any]:
         demo_topk=config.demo_topk,
         demo_alpha=config.demo_alpha,
         demo_shared_momentum=config.demo_shared_momentum,
+        demo_compressor=config.demo_compressor,
+        demo_rank=config.demo_rank,
+        demo_adamw=config.demo_adamw,
         hierarchical_exchange={"auto": "auto", "on": True, "off": False}[config.hierarchical_exchange],
         ranks_per_node=config.ranks_per_node,
     )
