@@ -77,9 +77,8 @@ class Muon(Optimizer):
         momentum_dtype: "fp32", "bf16" or "fp8" (state.py);
         overlap: momentum on the owners, gradients sent during backward (overlap.py);
         pipeline_group: a non-finite gradient in any stage raises or skips in every stage;
-        demo, demo_compressor ("dct", "low_rank"), demo_chunk, demo_topk (dct), demo_rank (low_rank),
-            demo_alpha, demo_shared_momentum, demo_adamw ("sign", "dense": the AdamW gradients),
-            replicate_group: DeMo across replicas (demo/step.py);
+        demo, demo_compressor ("dct", "low_rank"), demo_chunk, demo_topk, demo_rank, demo_alpha, demo_shared_momentum,
+            demo_adamw ("sign", "dense": the AdamW gradients), replicate_group: DeMo across replicas (demo/);
         hierarchical_exchange ("auto", True, False), ranks_per_node: two-stage all-to-alls,
             within nodes and along rails (docs/exchange.md, "W = 4096");
         compile_elementwise: the element-wise passes as ``torch.compile``d kernels, one pass
@@ -152,11 +151,9 @@ class Muon(Optimizer):
         )  # fmt: skip
         self._layout_ready = False
         super().__init__(params, defaults)
-        self.skipped_steps = 0
-        self.last_step_skipped = False
+        self.skipped_steps, self.last_step_skipped = 0, False
         self.owner_blocks: dict[tuple[int, int], dict] = {}  # (rank set, unit) -> whole-matrix state
-        self._metrics: dict[str, float | Tensor] = {}
-        self._metrics_read: dict[str, float] | None = None
+        self._metrics, self._metrics_read = {}, None  # this step's figures (some on the device), and as read
         self._build_layout()
 
     # ------------------------------------------------------------------ setup
@@ -291,8 +288,7 @@ class Muon(Optimizer):
         return [engine for engine in self.engines if engine.sharded]
 
     def engine_of(self, entry: MuonParam) -> ExchangeEngine:
-        """The exchange engine that carries `entry`'s matrices (the one-rank engine, last, for a
-        parameter this rank holds whole)."""
+        """The engine that carries `entry`'s matrices (the one-rank engine, last, if this rank holds it whole)."""
         return self.engines[entry.rank_set] if entry.sharding is not None else self.engines[-1]
 
     def _unit_flops(self, unit: Unit) -> int:
@@ -316,8 +312,7 @@ class Muon(Optimizer):
         return self._metrics_read
 
     def local_state_bytes(self) -> int:
-        """Bytes of optimizer state this rank holds: AdamW moments, Muon momentum on its blocks
-        or, with momentum on the owners, the whole matrices it owns."""
+        """Bytes of optimizer state this rank holds: AdamW moments, Muon momentum (blocks, or owned matrices)."""
         return state_bytes([*self.state.values(), *self.owner_blocks.values()])
 
     # ------------------------------------------------------------ checkpoints
