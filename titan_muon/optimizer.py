@@ -326,7 +326,7 @@ class Muon(Optimizer):
     _CARRIED = ("exchange_memory_mb", "rounds_in_flight", "ns_dtype_setting", "comm_dtype_setting", "nonfinite_grads",
                 "row_blocks", "overlap", "adamw_implementation", "storage", "skipped_steps", "owner_blocks", "pipeline_group",
                 "demo", "replicate_group", "hierarchical_exchange", "ranks_per_node", "last_step_skipped",
-                "compile_elementwise", "commit_mode")  # fmt: skip
+                "compile_elementwise", "commit_mode", "partially_applied")  # fmt: skip
 
     def __getstate__(self) -> dict:
         return {**super().__getstate__(), **{key: getattr(self, key) for key in self._CARRIED}}
