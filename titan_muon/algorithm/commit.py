@@ -10,8 +10,9 @@ and "for-loop" AdamW kernels allocate temporaries; with them that guarantee does
 the AdamW groups (docs/reliability.md).
 
 With ``commit="streaming"`` the weights of each round are written as its updates return
-(:func:`apply_updates`), so no rank holds every update at once; momentum and AdamW still
-wait for the agreement. A failure after the first write cannot be undone: it is reported on
+(:func:`apply_updates`), so no rank holds every update at once, and fp32 momentum on the
+shards is updated by the pass that packs the Nesterov input (one read of M and g instead of
+two); other momentum and AdamW still wait for the agreement. A failure after the first write cannot be undone: it is reported on
 every rank as a partially applied step and the optimizer refuses to step again until a
 checkpoint is loaded (:func:`refuse_after_partial_step`).
 """
@@ -36,6 +37,7 @@ class StepWork:
     updates: list[tuple[object, Tensor, Tensor]] = field(default_factory=list)  # (MuonParam, local view, update)
     staged: list[tuple[dict, dict]] = field(default_factory=list)  # (state, its new tensors): swapped in at the commit
     grads32: dict[int, Tensor] = field(default_factory=dict)  # MuonParam index -> fp32 copy of a low-precision gradient
+    momentum_written: set[int] = field(default_factory=set)  # MuonParam indexes whose fp32 momentum the packing updated
     held: list = field(default_factory=list)  # return buffers the updates view: alive until the commit
     update_sq: list[Tensor] = field(default_factory=list)  # device scalars: sums of squared lr-scaled updates
     update_numel: int = 0
@@ -91,6 +93,8 @@ def commit(storage, entries, owner_entries, state: dict, work: StepWork, element
             state[entry.param]["step"] += 1
     if storage.name == "fp32":
         for entry in entries:
+            if entry.index in work.momentum_written:
+                continue
             grad = work.grads32.get(entry.index, local_shard(entry.param.grad))
             elementwise.momentum_update_(local_shard(state[entry.param]["momentum_buffer"]), grad, entry.group["momentum"])
     apply_updates(work.updates, elementwise)

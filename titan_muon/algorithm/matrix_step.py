@@ -86,7 +86,11 @@ class MatrixStep:
                     self.work.memory.add(self.momenta[entry.index].numel() * 4)
             grad = local_piece(entry.stack(p.grad), piece)
             momentum = local_piece(self.momenta[entry.index], piece)
-            self.elementwise.nesterov_input_into(out, grad, momentum, entry.group["momentum"], entry.group["nesterov"])
+            if self.streaming and self.storage.name == "fp32":  # no rollback to protect: the commit's lerp is done here
+                self.elementwise.momentum_and_nesterov_input_(momentum, out, grad, entry.group["momentum"], entry.group["nesterov"])
+                self.work.momentum_written.add(entry.index)
+            else:
+                self.elementwise.nesterov_input_into(out, grad, momentum, entry.group["momentum"], entry.group["nesterov"])
 
     def receive(self, engine: ExchangeEngine, piece: Piece, update: Tensor) -> None:
         entry = self.params[engine.units[piece.unit].param]

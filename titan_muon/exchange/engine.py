@@ -102,8 +102,8 @@ def agree_on_success(transport: Transport, failure: StepFailure, streaming: bool
     if failed_rank < 0:
         return
     outcome = (
-        "the rounds that had returned were written (commit='streaming'), so parameters may be partially updated "
-        "while momentum and AdamW state are unchanged; load a checkpoint before stepping again"
+        "the rounds that had returned were written (commit='streaming'), so parameters and Muon momentum may be "
+        "partially updated while AdamW state is unchanged; load a checkpoint before stepping again"
         if streaming
         else "no parameter or optimizer state was changed"
     )
