@@ -50,10 +50,19 @@ def staged_state(storage, state: dict, momentum: Tensor, stream: int, first_row:
     if storage.name == "fp32" and not isinstance(state["momentum_buffer"], DTensor):
         memory.add(momentum.numel() * 4)
         return {"momentum_buffer": momentum}
-    staged = {key: value.clone() for key, value in state.items()}
+    staged = {key: _copy(value) for key, value in state.items()}
     storage.store(staged, momentum, stream=stream, first_row=first_row)
     memory.add(sum(local_shard(v).numel() * v.element_size() for v in staged.values()))
     return staged
+
+
+def _copy(value):
+    """A copy of a state tensor; a DTensor's local shard is copied and wrapped again, as DTensor's
+    own clone would (without its sharding propagation, which a meta mesh cannot run)."""
+    if isinstance(value, DTensor):
+        return DTensor.from_local(value.to_local().clone(), value.device_mesh, value.placements, run_check=False,
+                                  shape=value.shape, stride=value.stride())  # fmt: skip
+    return value.clone()
 
 
 def stage_momentum(storage, entries, state: dict, work: StepWork, failure: StepFailure) -> None:

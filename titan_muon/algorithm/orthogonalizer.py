@@ -60,13 +60,13 @@ class Orthogonalizer:
         steps, (algorithm, dtype) = group["ns_steps"], self.plan(group, *shape)
         timer.start("ns")
         with phase("newton_schulz"):
-            ortho = orthogonalize(matrices, steps, group["ns_coefficients"], dtype, group["ns_eps"], algorithm)
+            # Scaled by NS's last product, row-major (the return buffer is cut from it by rows), in
+            # the NS dtype: the value the wire carries anyway.
+            scaled = orthogonalize(matrices, steps, group["ns_coefficients"], dtype, group["ns_eps"], algorithm,
+                                   scale=update_scale(group["adjust_lr_fn"], *shape), contiguous=True)  # fmt: skip
         timer.stop("ns")
         work.ns_flops += matrices.shape[0] * newton_schulz_flops(*shape, steps, algorithm, dtype)
-        with phase("scale"):
-            # In the NS dtype, the value the wire carries anyway, into a row-major buffer: NS returns
-            # tall matrices transposed, and the return buffer is cut from them by rows.
-            scaled = torch.mul(ortho, update_scale(group["adjust_lr_fn"], *shape), out=torch.empty_like(ortho, memory_format=torch.contiguous_format))
+        with phase("update_norm"):
             work.update_sq.append(torch.linalg.vector_norm(scaled, dtype=torch.float32).square() * group["lr"] ** 2)
         work.update_numel += scaled.numel()
         return scaled

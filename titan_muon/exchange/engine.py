@@ -99,7 +99,7 @@ def agree_on_success(transport: Transport, failure: StepFailure, streaming: bool
     mine = float(transport.rank + 1) if failure.error is not None else 0.0
     flag = transport.all_reduce(torch.full((1,), mine, device=transport.device), dist.ReduceOp.MAX)
     failed_rank = int(flag.tolist()[0]) - 1
-    if failed_rank < 0:
+    if failed_rank < 0 and failure.error is None:  # (a local failure raises whatever the read says: on meta it reads 0)
         return
     outcome = (
         "the rounds that had returned were written (commit='streaming'), so parameters and Muon momentum may be "
