@@ -68,7 +68,7 @@ class Muon(Optimizer):
             NS and fp16 for Gram NS, fp32 elsewhere); comm_dtype ("auto", "fp32", "bf16"): the wire;
         adamw_betas, adamw_eps, adamw_implementation ("fused", "foreach", "for-loop");
         exchange_memory_mb: per-GPU MiB for the exchange buffers of the rounds in flight
-            (1024); an owner always takes at least one matrix per round;
+            (8192); an owner always takes at least one matrix per round;
         commit: "atomic" (nothing written until every rank succeeded) or "streaming" (each
             round's weights written as it returns: no rank holds every update; commit.py);
         rounds_in_flight (2); bucket_size_mb, buckets_in_flight: their deprecated names;
