@@ -76,7 +76,7 @@ class Optimizer:
     commit: Literal["atomic", "streaming"] = "atomic"
     """"atomic": nothing is written until every rank has succeeded (an error leaves weights and
     state unchanged). "streaming": each round's weights are written as its updates return, so
-    no rank holds every update at once (2,424 -> 1,264 MiB per GPU on Llama-3 8B at 8 GPUs); an error
+    no rank holds every update at once (with exchange_memory_mb = 1024: 2,424 -> 1,264 MiB per GPU on Llama-3 8B at 8 GPUs); an error
     after the first write leaves the weights partially updated and the optimizer refuses to
     step until a checkpoint is loaded (docs/reliability.md)."""
     demo: bool = False
