@@ -56,6 +56,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import inspect
+import itertools
 import json
 import math
 import os
@@ -162,15 +163,16 @@ def prepare_data(out_dir: Path, tokenizer: str) -> Path:
         eos, vocab = 256, 257
         encode = None
     elif tokenizer == "bpe":
-        from titan_muon.torchtitan.data import EOS, save_tokenizer, train_bpe_tokenizer
         from tokenizers import Tokenizer
+
+        from titan_muon.torchtitan.data import EOS, save_tokenizer, train_bpe_tokenizer
 
         directory = out_dir / "data" / "bpe_2048"
         if not (directory / "tokenizer.json").exists():
             save_tokenizer(train_bpe_tokenizer(splits["train"], 2048), str(directory))
         bpe = Tokenizer.from_file(str(directory / "tokenizer.json"))
         eos, vocab = bpe.token_to_id(EOS), 2048
-        encode = lambda text: bpe.encode(text).ids  # noqa: E731 - one file at a time, in order
+        encode = lambda text: bpe.encode(text).ids  # one file at a time, in order
     else:
         raise ValueError(f"--tokenizer {tokenizer!r}: bpe or bytes")
     streams = {}
@@ -350,6 +352,7 @@ def worker(args) -> None:
             "seconds": seconds,
         }  # fmt: skip
         if arm.sync == "demo":
+            result["demo_settings"] = repr(optimizer.demo)  # the defaults the one switch took in this checkout
             result["bytes_by_rank"] = [g["demo_bytes"] for g in gathered]
             result["bytes_muon"] = sum(g["demo_bytes"][0] for g in gathered)
             result["bytes_adamw"] = sum(g["demo_bytes"][1] for g in gathered)
@@ -523,6 +526,7 @@ def summarize(args) -> dict:
             entry["bytes"] = {str(replicas): first["bytes_muon"] + first["bytes_adamw"]}
             entry["bytes_muon"], entry["bytes_adamw"] = first["bytes_muon"], first["bytes_adamw"]
             entry["bytes_dense_muon"] = first["bytes_dense_muon"]
+            entry["demo_settings"] = first.get("demo_settings")  # absent in runs before the field was recorded
         else:
             entry["bytes"] = {str(r): full_sync_bytes(first["params"], r) for r in replica_counts}
         summary["arms"][f"{arm}_R{replicas}"] = entry
@@ -534,14 +538,14 @@ def summarize(args) -> dict:
     meta["tokens"] = meta["steps"] * meta["tokens_per_step"]
     meta["tokens_per_param"] = meta["tokens"] / meta["params"]
     meta["preset"] = MODELS[args.model].__dict__
-    meta["command"] = "PYTHONPATH=. python scripts/bench_demo.py " + " ".join(sys.argv[1:])
+    meta["command"] = " ".join(["PYTHONPATH=. python scripts/bench_demo.py", *(a for a in sys.argv[1:] if a != "--analyse-only")])
     meta["date"] = datetime.date.today().isoformat()
     meta["machine"] = machine()
 
     arms = summary["arms"]
     if "muon_R1" in arms:
         muon = arms["muon_R1"]
-        for key, entry in arms.items():
+        for entry in arms.values():
             if ARMS[entry["arm"]].sync != "demo":
                 continue
             sigma = math.sqrt((muon["test_std"] ** 2 + entry["test_std"] ** 2) / 2)
@@ -560,7 +564,7 @@ def reach(muon: dict, adamw: dict, steps: int) -> dict:
     loss (linear between evaluations), as a fraction of the run."""
     target = adamw["curve"][str(steps)] if str(steps) in adamw["curve"] else adamw["curve"][steps]
     points = sorted((int(s), v) for s, v in muon["curve"].items())
-    for (s0, v0), (s1, v1) in zip(points, points[1:]):
+    for (s0, v0), (s1, v1) in itertools.pairwise(points):
         if v1 <= target:
             step = s0 + (v0 - target) / (v0 - v1) * (s1 - s0) if v0 > target else s0
             return {"target_validation": target, "step": step, "fraction": step / steps}
@@ -577,8 +581,10 @@ def machine() -> str:
 
 def table(summary: dict) -> str:
     rows = [
-        "| arm | R | lr sweep (× shipped lr: final validation loss) | best lr | seeds | held-out loss, mean ± σ "
-        "| bytes across replicas per step | fewer than full sync | parity with full-sync Muon |",
+        (
+            "| arm | R | lr sweep (× shipped lr: final validation loss) | best lr | seeds | held-out loss, mean ± σ "
+            "| bytes across replicas per step | fewer than full sync | parity with full-sync Muon |"
+        ),
         "|---|---|---|---|---|---|---|---|---|",
     ]
     replica_counts = sorted({int(r) for e in summary["arms"].values() for r in e["bytes"]})
@@ -602,9 +608,10 @@ def plot(summary: dict, png: Path) -> None:
     from plotting import pyplot
 
     plt = pyplot("scripts/bench_demo.py")
+    from matplotlib.ticker import FixedLocator, NullLocator
     figure, (curves, sweeps, traffic) = plt.subplots(1, 3, figsize=(16, 4.8), gridspec_kw={"width_ratios": [1.4, 1, 1]})
     styles = {1: "-", 2: "--", 4: ":"}
-    for key, entry in summary["arms"].items():
+    for entry in summary["arms"].values():
         arm = ARMS[entry["arm"]]
         name = arm.label if arm.sync == "full" else f"{arm.label}, R = {entry['replicas']}"
         steps = sorted(int(s) for s in entry["curve"])
@@ -626,6 +633,10 @@ def plot(summary: dict, png: Path) -> None:
     curves.legend(fontsize=7)
     sweeps.set(xscale="log", xlabel="lr multiplier of the shipped config's lr", ylabel="final validation loss (seed 0)",
                title="lr sweep")  # fmt: skip
+    ticks = sorted({float(m) for e in summary["arms"].values() for m in e["sweep"]})
+    sweeps.xaxis.set_major_locator(FixedLocator(ticks))
+    sweeps.xaxis.set_minor_locator(NullLocator())
+    sweeps.set_xticklabels([f"×{m:g}" for m in ticks])
     sweeps.grid(alpha=0.3)
     sweeps.legend(fontsize=7)
     traffic.set(xscale="log", xlabel="bytes across replicas per step (all replicas)",
