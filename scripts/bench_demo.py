@@ -546,14 +546,15 @@ def summarize(args) -> dict:
     if "muon_R1" in arms:
         muon = arms["muon_R1"]
         for entry in arms.values():
-            if ARMS[entry["arm"]].sync != "demo":
+            if entry["arm"] == "muon":
                 continue
             sigma = math.sqrt((muon["test_std"] ** 2 + entry["test_std"] ** 2) / 2)
             margin = max(2 * sigma, 0.02)
             gap = entry["test_mean"] - muon["test_mean"]
-            full = full_sync_bytes(entry["params"], entry["replicas"])
-            entry.update(sigma=sigma, margin=margin, gap_to_muon=gap, parity=bool(gap <= margin),
-                         bytes_ratio=full / entry["bytes"][str(entry["replicas"])])  # fmt: skip
+            entry.update(sigma=sigma, margin=margin, gap_to_muon=gap, parity=bool(gap <= margin))
+            if ARMS[entry["arm"]].sync == "demo":
+                full = full_sync_bytes(entry["params"], entry["replicas"])
+                entry["bytes_ratio"] = full / entry["bytes"][str(entry["replicas"])]
         if "adamw_R1" in arms:
             summary["muon_vs_adamw"] = reach(muon, arms["adamw_R1"], meta["steps"])
     return summary
@@ -600,6 +601,8 @@ def table(summary: dict) -> str:
         else:
             traffic = " / ".join(f"{entry['bytes'][str(r)]:,.0f} (R={r})" for r in replica_counts if str(r) in entry["bytes"])
             parity = "reference" if entry["arm"] == "muon" else "-"
+            if "parity" in entry:
+                parity = f"{'yes' if entry['parity'] else 'no'} ({entry['gap_to_muon']:+.4f} vs ≤ {entry['margin']:.4f})"
             rows.append(f"| {entry['label']} | any | {sweep} | {lr} | {len(entry['seeds'])} | {test} | {traffic} | 1× | {parity} |")
     return "\n".join(rows)
 
