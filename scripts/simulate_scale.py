@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from model_presets import PRESETS, Model, qwen3_moe
 from replay import Hardware, RankResult, replay
 from step_trace import Collective, Parallelism, Trace, bytes_per_muon_element, trace_rank
+from titan_muon.settings import DEFAULT_EXCHANGE_MEMORY_MB  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 # Muon's defaults: on meta, "auto" settings resolve as on CUDA (settings.on_accelerator): bf16 wire,
@@ -463,7 +464,7 @@ def render(rows: Sequence[Row], command: str, elapsed_s: float) -> str:
         "rank's `Muon.step()` on `meta` over torch's fake process group (titan_muon's own planning, exchange, "
         "Newton–Schulz and commit, at the settings a CUDA run gets by default: bf16 on the wire, Gram NS in fp16 where "
         "`ns_algorithm=\"auto\"` picks it (MLP, k/v, expert shapes) and standard NS in bf16 elsewhere, element-wise passes "
-        "compiled (each traced as one kernel), fp32 momentum, 8 GiB exchange memory, "
+        f"compiled (each traced as one kernel), fp32 momentum, {DEFAULT_EXCHANGE_MEMORY_MB / 1024:g} GiB exchange memory, atomic commit, "
         "2 rounds in flight, no overlap); `scripts/replay.py` replays all ranks' traces with a host clock, one "
         "compute stream and one in-order stream per communicator per rank (its docstring has the rules, "
         "`Hardware` every rate and its source). Checked by `tests/test_simulate_scale.py`."),

@@ -178,8 +178,8 @@ def _writes(func, args, kwargs, out) -> int:
 # products — are not counted: they are the work itself.
 STEP_SIDES = {
     "shard": ("pack",),  # momentum and Nesterov input, written into the send buffer
-    "owner": ("assemble", "owner_momentum", "demo", "scale", "disassemble"),  # arrivals to NS, NS's result to the return buffer
-    "commit": ("unpack", "stage_commit", "commit"),  # momentum, weight decay and the update
+    "owner": ("assemble", "owner_momentum", "demo", "update_norm", "disassemble"),  # arrivals to NS, the update's norm, NS's result to the return buffer
+    "commit": ("unpack", "stage_commit", "commit", "commit_round"),  # momentum, weight decay and the update
     "newton_schulz": ("newton_schulz",),  # inside NS, beside its matrix products
 }
 BEYOND_NS = ("shard", "owner", "commit")

@@ -23,13 +23,17 @@ from titan_muon import Muon
 from titan_muon.algorithm.newton_schulz import orthogonalize
 from titan_muon.algorithm.update import update_scale
 from titan_muon.demo import dct as demo
+from titan_muon.demo.low_rank import LEFT_FACTOR_KEY
+from titan_muon.demo.sign import ERROR_KEY
 from titan_muon.demo.step import SHARED_MOMENTUM_KEY
 
 MUON = ("w1", "w2", "w3")
 ADAMW = ("bias", "head", "scale")
 # The defaults' DeMo-Muon (issue 27): α = 1 and a shared Nesterov momentum over the average.
+# AdamW gradients averaged densely here (demo_adamw="dense"); test_demo_low_rank_distributed runs the
+# default sign compression.
 SETTINGS = dict(lr=0.02, weight_decay=0.01, momentum=0.99, nesterov=True, ns_algorithm="standard", demo_chunk=64, demo_topk=8, demo_alpha=1.0,
-                demo_shared_momentum=True)  # fmt: skip
+                demo_shared_momentum=True, demo_adamw="dense")  # fmt: skip
 # DeMo as published (before issue 27): no shared momentum, α 0.2, no Nesterov.
 PUBLISHED = {**SETTINGS, "nesterov": False, "demo_alpha": 0.2, "demo_shared_momentum": False}
 ADAMW_SETTINGS = dict(lr=0.01, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
@@ -101,10 +105,10 @@ def _record_q(opt, steps: list[dict], inputs: list[dict]) -> None:
                     steps[-1][name(engine, u)] = matrix.clone()
         return out
 
-    def recording_shared(s, engine, batch, average, *args):
+    def recording_shared(round_, batch, average):
         for u, matrix in zip(batch.units, average):
-            steps[-1][name(engine, u)] = matrix.clone()
-        return shared(s, engine, batch, average, *args)
+            steps[-1][name(round_.engine, u)] = matrix.clone()
+        return shared(round_, batch, average)
 
     opt.replicas.round_inputs = recording
     opt.replicas._shared_momentum_input = recording_shared
@@ -119,7 +123,7 @@ def _demo_run(rank, world, replicas, shards, steps, fed_grads=None, settings=SET
     fully_shard(model, mesh=mesh["dp_shard"])
     opt = Muon(_groups(model), **settings, demo=True, replicate_group=mesh.get_group("dp_replicate"))
     record = {"initial": {n: _full(p) for n, p in model.named_parameters()}, "grads": [], "params": [], "momenta": [], "q": [], "metrics": [],
-              "shared": [], "input": []}  # fmt: skip
+              "shared": [], "input": [], "factors": [], "adamw_errors": [], "adamw_grads": []}  # fmt: skip
     _record_q(opt, record["q"], record["input"])
     for step in range(steps):
         x, y = _batch(step, replica)
@@ -132,18 +136,22 @@ def _demo_run(rank, world, replicas, shards, steps, fed_grads=None, settings=SET
                 assert (own - given).abs().max() <= 1e-4 * given.abs().max(), n  # summation order only
                 p.grad.to_local().copy_(distribute_tensor(given, p.grad.device_mesh, p.grad.placements, src_data_rank=None).to_local())
         record["grads"].append({n: _full(p.grad) for n, p in params.items()})
+        record["adamw_errors"].append({n: _full(opt.state[params[n]][ERROR_KEY]) for n in ADAMW if ERROR_KEY in opt.state.get(params[n], {})})
         record["q"].append({})
         record["input"].append({})
         opt.step()
+        record["adamw_grads"].append({n: _full(params[n].grad) for n in ADAMW})  # the replicas' average, as AdamW used it
         opt.zero_grad()
         record["params"].append({n: _full(p) for n, p in model.named_parameters()})
         record["momenta"].append(_owner_momenta(opt))
         record["shared"].append(_owner_momenta(opt, SHARED_MOMENTUM_KEY) if settings["demo_shared_momentum"] else {})
+        record["factors"].append(_owner_momenta(opt, LEFT_FACTOR_KEY) if settings.get("demo_compressor") == "low_rank" else {})
         record["metrics"].append(dict(opt.last_step_metrics))
     engines = opt.engines
     record["owned"] = [opt.muon_params[engines[s].units[u].param].name for s, u in opt.owner_blocks]
     record["owned_shapes"] = [engines[s].units[u].shape for s, u in opt.owner_blocks]
     record["adamw_local_numel"] = sum(p.to_local().numel() for n, p in model.named_parameters() if n in ADAMW)
+    record["adamw_local_shapes"] = {n: tuple(p.to_local().shape) for n, p in model.named_parameters() if n in ADAMW}
     record["replica"], record["shard"] = replica, shard
     return record
 
@@ -154,7 +162,7 @@ def _by_replica(results, replicas):
     for r in range(replicas):
         ranks = [x for x in results if x["replica"] == r]
         first = next(x for x in ranks if x["shard"] == 0)
-        merged = {key: [{n: m for x in ranks for n, m in x[key][s].items()} for s in range(len(first[key]))] for key in ("momenta", "q", "shared", "input")}
+        merged = {key: [{n: m for x in ranks for n, m in x[key][s].items()} for s in range(len(first[key]))] for key in ("momenta", "q", "shared", "input", "factors")}
         out.append({**first, **merged})
     return out
 
@@ -247,18 +255,23 @@ def _check_against_reference(rep, replicas, steps, what, settings=SETTINGS):
             assert diff <= allowed, f"{what} step {step} {n}: {diff:.3g} > {allowed:.3g}"
             worst[1] = max(worst[1], diff / allowed)
         used.append(worst)
-    # AdamW: free-running on the same (averaged) gradients, elementwise.
+    check_adamw(rep, replicas, steps, what)
+    return used
+
+
+def check_adamw(rep, replicas, steps, what, averages=None):
+    """AdamW: free-running on the replicas' average gradient (`averages[step][name]`: the ones to
+    use instead, checked elsewhere), elementwise (see _check_against_reference)."""
     adamw_params = {n: rep[0]["initial"][n].clone().requires_grad_() for n in ADAMW}
     adamw = torch.optim.AdamW(list(adamw_params.values()), fused=True, **ADAMW_SETTINGS)
     for step in range(steps):
         for n, p in adamw_params.items():  # summed in replica order, as the all-reduce does
-            p.grad = sum(rep[r]["grads"][step][n] for r in range(replicas)) / replicas
+            p.grad = sum(rep[r]["grads"][step][n] for r in range(replicas)) / replicas if averages is None else averages[step][n].clone()
         adamw.step()
         for n, p in adamw_params.items():
             bound = (step + 1) * 2 * FP32_ULP * p.detach().abs().max().item()
             diff = (rep[0]["params"][step][n] - p.detach()).abs().max().item()
             assert diff <= bound, f"{what} step {step} {n}: {diff:.3g} > {bound:.3g}"
-    return used
 
 
 @pytest.fixture(scope="module")
@@ -353,6 +366,8 @@ def _matrix_groups():
         (dict(demo=True, demo_chunk=0), "demo_chunk"),
         (dict(demo=True, demo_topk=64 * 64 + 1), "demo_topk"),
         (dict(demo=True, demo_alpha=1.5), "demo_alpha"),
+        (dict(demo=True, demo_compressor="svd"), "demo_compressor"),
+        (dict(demo=True, demo_compressor="low_rank", demo_rank=0), "demo_rank"),
         (dict(demo="yes"), "demo must be True or False"),
         (dict(replicate_group=object()), "replicate_group is only used with demo=True"),
     ],
@@ -395,26 +410,29 @@ def test_options_that_need_replicas_are_checked():
         assert "bit-identical in every replica" in errors["identical"]
 
 
-def _failing_run(rank, world, failure):
+def _failing_run(rank, world, failure, settings=SETTINGS):
     """One step on 2 replicas × 2 shards where replica 1 misbehaves: a non-finite gradient
-    (nonfinite_grads="skip") or an error in one owner's DeMo step. Returns what each rank saw
-    and whether its parameters and momenta stayed as they were."""
+    (nonfinite_grads="skip"), an error in one owner's DeMo step ("owner": before any collective
+    across replicas) or, with the low-rank compressor, in its QR ("basis": between its two
+    all-reduces; "owner and basis": the first on one owner, the second on the other). Returns what each rank saw and whether its parameters and its whole DeMo
+    state stayed as they were."""
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
     replica, shard = mesh.get_coordinate()
     model = Net()
     fully_shard(model, mesh=mesh["dp_shard"])
-    opt = Muon(_groups(model), **SETTINGS, demo=True, replicate_group=mesh.get_group("dp_replicate"), nonfinite_grads="skip")
+    opt = Muon(_groups(model), **settings, demo=True, replicate_group=mesh.get_group("dp_replicate"), nonfinite_grads="skip")
     x, y = _batch(0, replica)
     ((model(x.chunk(2)[shard]) - y.chunk(2)[shard]) ** 2).mean().backward()
     opt.step()  # a good step first, so that momenta are not zero
     opt.zero_grad()
     ((model(x.chunk(2)[shard]) - y.chunk(2)[shard]) ** 2).mean().backward()
     before = {n: _full(p) for n, p in model.named_parameters()}
-    momenta = _owner_momenta(opt)
-    shared = _owner_momenta(opt, SHARED_MOMENTUM_KEY)
+    keys = opt.storage.tensor_keys  # the own momentum, the shared one, the low-rank warm start
+    state = {key: _owner_momenta(opt, key) for key in keys}
+    adamw_state = {n: {k: _full(v) for k, v in opt.state[p].items()} for n, p in model.named_parameters() if n in ADAMW}
     if replica == 1 and failure == "nonfinite":
         model.w2.grad.to_local()[0, 0] = float("nan")
-    if replica == 1 and shard == 1 and failure == "owner":
+    if replica == 1 and (shard == 1 and failure == "owner" or shard == 0 and failure == "owner and basis"):
         original = opt.replicas.round_inputs
 
         def broken(s, r, engine, batches, *args):
@@ -423,6 +441,13 @@ def _failing_run(rank, world, failure):
             return original(s, r, engine, batches, *args)
 
         opt.replicas.round_inputs = broken
+    if replica == 1 and shard == 1 and failure in ("basis", "owner and basis"):
+        from titan_muon.demo import low_rank
+
+        def broken_basis(right):
+            raise RuntimeError("injected failure")
+
+        low_rank.orthonormal_basis = broken_basis
     outcome = "stepped"
     try:
         opt.step()
@@ -431,8 +456,8 @@ def _failing_run(rank, world, failure):
     except RuntimeError as error:
         outcome = f"raised: {error}"
     unchanged = all(torch.equal(before[n], _full(p)) for n, p in model.named_parameters())
-    unchanged = unchanged and all(torch.equal(m, _owner_momenta(opt)[n]) for n, m in momenta.items())
-    unchanged = unchanged and all(torch.equal(m, _owner_momenta(opt, SHARED_MOMENTUM_KEY)[n]) for n, m in shared.items())
+    unchanged = unchanged and all(torch.equal(m, _owner_momenta(opt, key)[n]) for key in keys for n, m in state[key].items())
+    unchanged = unchanged and all(torch.equal(v, _full(opt.state[p][k])) for n, p in model.named_parameters() if n in ADAMW for k, v in adamw_state[n].items())
     return outcome, unchanged
 
 
@@ -452,7 +477,7 @@ def test_one_replica_failing_stops_every_replica(failure):
 # ---------------------------------------------------------------- checkpoints
 
 
-def _checkpoint_run(rank, world, replicas, shards, path, save, fed=None):
+def _checkpoint_run(rank, world, replicas, shards, path, save, fed=None, settings=SETTINGS):
     """save: 3 steps, a DCP checkpoint, a 4th step (its gradients returned, per replica).
     load: other weights, the checkpoint loaded over them, the 4th step on `fed` gradients."""
     import torch.distributed.checkpoint as dcp
@@ -466,7 +491,7 @@ def _checkpoint_run(rank, world, replicas, shards, path, save, fed=None):
             for p in model.parameters():
                 p.mul_(0.5)  # the load must overwrite these
     fully_shard(model, mesh=mesh["dp_shard"])
-    opt = Muon(_groups(model), **SETTINGS, demo=True, replicate_group=mesh.get_group("dp_replicate"))
+    opt = Muon(_groups(model), **settings, demo=True, replicate_group=mesh.get_group("dp_replicate"))
 
     def backward(step):
         x, y = _batch(step, replica)
@@ -488,6 +513,8 @@ def _checkpoint_run(rank, world, replicas, shards, path, save, fed=None):
         except BaseException as error:  # DCP's CheckpointException is a BaseException; returned to the test
             return {"error": f"{type(error).__name__}: {error}"}
     momenta, shared = _owner_momenta(opt), _owner_momenta(opt, SHARED_MOMENTUM_KEY)
+    factors = _owner_momenta(opt, LEFT_FACTOR_KEY) if settings.get("demo_compressor") == "low_rank" else {}
+    adamw_errors = {n: _full(opt.state[p][ERROR_KEY]) for n, p in model.named_parameters() if ERROR_KEY in opt.state.get(p, {})}
     backward(3)
     params = dict(model.named_parameters())
     if fed is not None:
@@ -495,7 +522,8 @@ def _checkpoint_run(rank, world, replicas, shards, path, save, fed=None):
             p.grad.to_local().copy_(distribute_tensor(fed[replica][n], p.grad.device_mesh, p.grad.placements, src_data_rank=None).to_local())
     grads = {n: _full(p.grad) for n, p in params.items()}
     opt.step()
-    return {"replica": replica, "shard": shard, "momenta": momenta, "shared": shared, "grads": grads, "params": {n: _full(p) for n, p in model.named_parameters()}}
+    return {"replica": replica, "shard": shard, "momenta": momenta, "shared": shared, "factors": factors, "adamw_errors": adamw_errors, "grads": grads,
+            "params": {n: _full(p) for n, p in model.named_parameters()}}  # fmt: skip
 
 
 def test_checkpoint_keeps_every_replicas_momentum(tmp_path):

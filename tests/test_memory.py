@@ -11,17 +11,15 @@ from test_optimizer_distributed import _batches, _loss, fsdp_model
 from torch import nn
 
 from titan_muon import Muon, build_param_groups
-from titan_muon.algorithm.orthogonalizer import NS_WORKSPACE
 
 SHAPES = {"a": (300, 640), "b": (630, 640), "c": (640, 300), "d": (30, 64)}
 
 
 def _model_slack(opt) -> float:
-    """What the account may overestimate: it charges NS_WORKSPACE x a batch's fp32 bytes where
-    orthogonalize() really allocates at least 2x them (its input copy and result): charged
-    for the largest round an owner orthogonalizes."""
-    owned = max(sum(e.units[u].numel for u in t.owned) for e in opt.engines for t in e.tables)
-    return (NS_WORKSPACE[opt.ns_dtype] - 2) * 4 * owned
+    """What the account may overestimate: Newton-Schulz's workspace is charged to the byte but
+    for one norm scalar per matrix (newton_schulz.workspace_bytes, tests/test_newton_schulz.py);
+    4 bytes per unit of the largest round an owner orthogonalizes."""
+    return 4 * max(len(t.owned) for e in opt.engines for t in e.tables)
 
 
 def test_peak_transient_bytes_bound_what_is_really_alive():

@@ -83,6 +83,7 @@ def test_invalid_optimizer_value_is_named(tmp_path, line, key):
         (("--optimizer.no-nesterov", "--optimizer.demo_chunk", "0"), r"\[optimizer\] demo_chunk"),
         (("--optimizer.no-nesterov", "--optimizer.demo_topk", "5000"), r"\[optimizer\] demo_topk"),
         (("--optimizer.no-nesterov", "--optimizer.demo_alpha", "2"), r"\[optimizer\] demo_alpha"),
+        (("--optimizer.demo_compressor", "low_rank", "--optimizer.demo_rank", "0"), r"\[optimizer\] demo_rank"),
         (("--optimizer.momentum_dtype", "bf16"), r"\[optimizer\] momentum_dtype"),
         (("--optimizer.overlap",), r"\[optimizer\] demo = true does not support overlap"),
         (("--optimizer.no-nesterov", "--optimizer.name", "AdamW", "--optimizer.no-qk_clip"), r'demo = true needs name = "Muon"'),
@@ -102,6 +103,10 @@ def test_demo_keys_reach_the_optimizer():
     kwargs = muon_kwargs(optimizer)
     assert (kwargs["demo"], kwargs["demo_chunk"], kwargs["demo_topk"], kwargs["demo_alpha"]) == (True, 64, 4, 1.0)
     assert kwargs["demo_shared_momentum"] is False
+    assert (kwargs["demo_compressor"], kwargs["demo_rank"], kwargs["demo_adamw"]) == ("dct", 4, "sign")  # the defaults
+    flags = ("--optimizer.demo", "--optimizer.demo_compressor", "low_rank", "--optimizer.demo_rank", "8", "--optimizer.demo_adamw", "dense")
+    low_rank = muon_kwargs(parse(*flags).optimizer)
+    assert (low_rank["demo_compressor"], low_rank["demo_rank"], low_rank["demo_adamw"]) == ("low_rank", 8, "dense")
 
 
 def test_demo_is_one_switch_on_the_shipped_config(tmp_path):
@@ -274,3 +279,11 @@ def test_every_adjust_lr_fn_is_accepted_from_toml_and_cli_and_reaches_muon(tmp_p
         assert muon_kwargs(config)["adjust_lr_fn"] == adjust_lr_fn
     opt = Muon([torch.nn.Parameter(torch.randn(4, 8))], adjust_lr_fn=adjust_lr_fn)
     assert opt.param_groups[0]["adjust_lr_fn"] == adjust_lr_fn
+
+
+def test_demo_adamw_choice_is_checked_in_toml(tmp_path):
+    """A TOML demo_adamw outside the choices is refused naming the key (tyro checks the command line)."""
+    toml = tmp_path / "bad_adamw.toml"
+    toml.write_text(Path(MUON_TOML).read_text().replace("\ndemo = false ", '\ndemo = true\ndemo_adamw = "topk"\n#', 1))
+    with pytest.raises(ValueError, match=r"\[optimizer\] demo_adamw"):
+        validate_optimizer_config(parse(toml=str(toml)).optimizer)

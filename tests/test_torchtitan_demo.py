@@ -42,7 +42,7 @@ def runs(tmp_path_factory):
     return {
         "hsdp_same_batches": run("hsdp_same", 4, "--parallelism.data_parallel_replicate_degree", "2", "--optimizer.no-nesterov", *data),
         "demo_2x2": run("demo_2x2", 4, "--parallelism.data_parallel_replicate_degree", "2", *DEMO, *data),
-        "demo_2x1": run("demo_2x1", 2, "--parallelism.data_parallel_replicate_degree", "2", *DEMO, *data),
+        "demo_2x1": run("demo_2x1", 2, "--parallelism.data_parallel_replicate_degree", "2", *DEMO, "--optimizer.demo_compressor", "low_rank", *data),
         "demo_stdlib": stdlib,
     }
 
@@ -56,6 +56,10 @@ def test_demo_runs_and_logs_its_bytes(runs):
     assert sorted(sent) == sorted(dense) == list(range(1, STEPS + 1))
     # rank 0's matrices: at k = 16 per 64×64 chunk, a dense all-reduce of 2 replicas sends far more
     assert all(dense[s] > 20 * sent[s] > 0 for s in sent)
+    # everything that crosses replicas, the AdamW tensors' sign payloads (the default) included
+    adamw, total = read_scalars(folder, "demo/adamw_bytes_sent"), read_scalars(folder, "demo/total_bytes_sent")
+    total_dense = read_scalars(folder, "demo/total_bytes_dense")
+    assert all(total[s] == sent[s] + adamw[s] and total_dense[s] > 10 * total[s] for s in sent)
 
 
 def test_each_replica_gets_its_own_mean_gradient(runs):
@@ -69,8 +73,9 @@ def test_each_replica_gets_its_own_mean_gradient(runs):
 
 
 def test_demo_without_fsdp(runs):
-    """R = 2 × S = 1: no FSDP at all (torchtitan would apply DDP; with demo nothing reduces the
-    gradients but the optimizer), the matrices whole on every rank. It trains, and its replicas
+    """R = 2 × S = 1 with ``--optimizer.demo_compressor low_rank``: no FSDP at all (torchtitan
+    would apply DDP; with demo nothing reduces the gradients but the optimizer), the matrices
+    whole on every rank. It trains, and its replicas
     start identical (Muon checks that when it is built). Its losses are not compared with
     R = 2 × S = 2: torchtitan initializes plain tensors and DTensors from different random
     streams (tests/test_demo_distributed.py compares the layouts from the same weights)."""

@@ -100,6 +100,8 @@ PART_MERGE_RULES: dict[str, str | tuple[str, str]] = {
     "demo/bytes_sent": "sum",
     "demo/bytes_dense": "sum",
     "demo/adamw_bytes_sent": "sum",
+    "demo/total_bytes_sent": "sum",
+    "demo/total_bytes_dense": "sum",
 }
 
 

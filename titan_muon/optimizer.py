@@ -30,23 +30,23 @@ from collections.abc import Mapping
 
 import torch
 from torch import Tensor
-from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from titan_muon import settings
-from titan_muon.algorithm.commit import StepWork, adamw_step, commit, stage_momentum
+from titan_muon.algorithm.commit import StepWork, adamw_step, commit, refuse_after_partial_step, stage_momentum
 from titan_muon.algorithm.matrix_step import MatrixStep
 from titan_muon.algorithm.orthogonalizer import Orthogonalizer
 from titan_muon.algorithm.update import Elementwise
 from titan_muon.attention.split import RowBlocks
 from titan_muon.demo import dct as demo
+from titan_muon.demo import low_rank, sign
 from titan_muon.demo.step import Replicas, check_groups, demo_settings, demo_storage
 from titan_muon.exchange.engine import EngineSettings, ExchangeEngine, StepFailure, agree_on_success, build_engines
 from titan_muon.exchange.overlap import BackwardOverlap
 from titan_muon.exchange.params import MuonParam, build_units, collect_muon_params, locate
 from titan_muon.exchange.plan import OVERLAP_MIN_ROUNDS, Unit
 from titan_muon.exchange.transport import AcrossReplicas, Transport
-from titan_muon.exchange.verdict import Verdict, agree_on_gradients
+from titan_muon.exchange.verdict import Verdict, agree_on_gradients, align_gradient_placements
 from titan_muon.metrics import state_bytes, step_metrics, wire_bytes
 from titan_muon.state import checkpoint
 from titan_muon.state.momentum import momentum_storage
@@ -69,14 +69,16 @@ class Muon(Optimizer):
         adamw_betas, adamw_eps, adamw_implementation ("fused", "foreach", "for-loop");
         exchange_memory_mb: per-GPU MiB for the exchange buffers of the rounds in flight
             (8192); an owner always takes at least one matrix per round;
+        commit: "atomic" (nothing written until every rank succeeded) or "streaming" (each
+            round's weights written as it returns: no rank holds every update; commit.py);
         rounds_in_flight (2); bucket_size_mb, buckets_in_flight: their deprecated names;
         nonfinite_grads: "raise" or "skip" the step, on every rank (``last_step_skipped``);
         row_blocks: Muon Split, FQN patterns -> row-block sizes (one block per head);
         momentum_dtype: "fp32", "bf16" or "fp8" (state.py);
         overlap: momentum on the owners, gradients sent during backward (overlap.py);
         pipeline_group: a non-finite gradient in any stage raises or skips in every stage;
-        demo, demo_chunk, demo_topk, demo_alpha, demo_shared_momentum, replicate_group: DeMo across
-            replicas (demo_step.py);
+        demo, demo_compressor ("dct", "low_rank"), demo_chunk, demo_topk, demo_rank, demo_alpha, demo_shared_momentum,
+            demo_adamw ("sign", "dense": the AdamW gradients), replicate_group: DeMo across replicas (demo/);
         hierarchical_exchange ("auto", True, False), ranks_per_node: two-stage all-to-alls,
             within nodes and along rails (docs/exchange.md, "W = 4096");
         compile_elementwise: the element-wise passes as ``torch.compile``d kernels, one pass
@@ -106,6 +108,7 @@ class Muon(Optimizer):
         bucket_size_mb: float | None = None,
         buckets_in_flight: int | None = None,
         nonfinite_grads: str = "raise",
+        commit: str = "atomic",
         row_blocks: Mapping[str, RowBlocks] | None = None,
         overlap: bool = False,
         momentum_dtype: str = "fp32",
@@ -116,16 +119,19 @@ class Muon(Optimizer):
         demo_topk: int = demo.DEFAULT_TOPK,
         demo_alpha: float = demo.DEFAULT_ALPHA,
         demo_shared_momentum: bool = demo.DEFAULT_SHARED_MOMENTUM,
+        demo_compressor: str = low_rank.DEFAULT_COMPRESSOR,
+        demo_rank: int = low_rank.DEFAULT_RANK,
+        demo_adamw: str = sign.DEFAULT_ADAMW,
         replicate_group=None,
         hierarchical_exchange: bool | str = "auto",
         ranks_per_node: int | None = None,
         compile_elementwise: bool | None = None,
     ):
         ns_eps = settings.newton_schulz_eps(eps, ns_eps)
-        settings.check_options(ns_dtype, comm_dtype, nonfinite_grads, adamw_implementation)
+        settings.check_options(ns_dtype, comm_dtype, nonfinite_grads, adamw_implementation, commit)
         settings.check_hierarchy(hierarchical_exchange, ranks_per_node)
         self.demo = demo_settings(demo, demo_chunk, demo_topk, demo_alpha, replicate_group, momentum_dtype=momentum_dtype, overlap=overlap,
-                                  shared_momentum=demo_shared_momentum)  # fmt: skip
+                                  shared_momentum=demo_shared_momentum, compressor=demo_compressor, rank=demo_rank, adamw=demo_adamw)  # fmt: skip
         self.replicate_group = replicate_group
         self.hierarchical_exchange, self.ranks_per_node = hierarchical_exchange, ranks_per_node
         self.compile_elementwise = compile_elementwise
@@ -133,7 +139,7 @@ class Muon(Optimizer):
             exchange_memory_mb, bucket_size_mb, rounds_in_flight, buckets_in_flight
         )
         self.ns_dtype_setting, self.comm_dtype_setting = ns_dtype, comm_dtype
-        self.nonfinite_grads, self.row_blocks, self.overlap = nonfinite_grads, dict(row_blocks or {}), overlap
+        self.nonfinite_grads, self.row_blocks, self.overlap, self.commit_mode = nonfinite_grads, dict(row_blocks or {}), overlap, commit
         self.adamw_implementation = adamw_implementation
         self.pipeline_group = pipeline_group
         self.storage = momentum_storage(momentum_dtype) if self.demo is None else demo_storage(self.demo)
@@ -145,11 +151,9 @@ class Muon(Optimizer):
         )  # fmt: skip
         self._layout_ready = False
         super().__init__(params, defaults)
-        self.skipped_steps = 0
-        self.last_step_skipped = False
+        self.skipped_steps, self.last_step_skipped = 0, False
         self.owner_blocks: dict[tuple[int, int], dict] = {}  # (rank set, unit) -> whole-matrix state
-        self._metrics: dict[str, float | Tensor] = {}
-        self._metrics_read: dict[str, float] | None = None
+        self._metrics, self._metrics_read = {}, None  # this step's figures (some on the device), and as read
         self._build_layout()
 
     # ------------------------------------------------------------------ setup
@@ -222,6 +226,7 @@ class Muon(Optimizer):
         self.replicas = None
         if self.demo is not None:  # after the plans: every replica must have made the same ones
             self.replicas = Replicas(self.demo, self.replicate_group, self.device)
+            self.replicas.check_adamw_layout(self.param_groups, self.param_name)
             self.transport = AcrossReplicas(self.transport, self.replicas.transport)
             params = [p for g in self.param_groups for p in g["params"]]
             self.replicas.check_consistent(params, self._names, hash(tuple(e.plan.fingerprint() for e in self.engines)))
@@ -236,28 +241,30 @@ class Muon(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         settings.check_step(self.param_groups, self.param_name)
+        refuse_after_partial_step(self.partially_applied)
         timer = StepTimer(self.device)
         timer.start("step")
         checkpoint.create_state(self)
-        self._align_gradients()
+        align_gradient_placements(self.param_groups)
         with phase("check_gradients"):
             verdict = self._agree_on_gradients()
         if verdict.skip_step:
             return loss
-        failure, work = StepFailure(), StepWork()
+        failure, work, streaming = StepFailure(), StepWork(), self.commit_mode == "streaming"
         if self.replicas is not None:
             with phase("demo_adamw_average"):
                 self.replicas.begin_step()
-                self.replicas.average_adamw_gradients(self.param_groups)
+                self.replicas.average_adamw_gradients(self.param_groups, self.state, failure, work)
         MatrixStep(self.muon_params, self.state, self.owner_blocks, self.storage, self.comm_dtype, self.newton_schulz,
-                   self.elementwise, self.replicas, verdict, failure, timer, work).run(self.engines)  # fmt: skip
+                   self.elementwise, self.replicas, verdict, failure, timer, work, streaming).run(self.engines)  # fmt: skip
         with phase("stage_commit"):
             stage_momentum(self.storage, self._with_gradients(verdict, False), self.state, work, failure)
         with phase("agree_on_success"):
-            agree_on_success(self.transport, failure)
+            self.partially_applied = streaming  # until every rank has succeeded
+            agree_on_success(self.transport, failure, streaming)
+            self.partially_applied = False
         with phase("commit"):
-            commit(self.storage, self._with_gradients(verdict, False), self._with_gradients(verdict, True), self.state,
-                   self.param_groups, work, self.elementwise)  # fmt: skip
+            commit(self.storage, self._with_gradients(verdict, False), self._with_gradients(verdict, True), self.state, work, self.elementwise)
         with phase("adamw"):
             adamw_step(self.param_groups, self.state, self.adamw_implementation)
         timer.stop("step")
@@ -276,21 +283,12 @@ class Muon(Optimizer):
             self._set_metrics({**wire_bytes(self.engines), "muon/skipped_steps": float(self.skipped_steps)})
         return verdict
 
-    def _align_gradients(self) -> None:
-        """Give every DTensor gradient its parameter's placements (plain DTensor autograd under
-        tensor parallel can leave one Partial); collectives on the device, no host reads."""
-        for group in self.param_groups:
-            for p in group["params"]:
-                if isinstance(p.grad, DTensor) and isinstance(p, DTensor) and tuple(p.grad.placements) != tuple(p.placements):
-                    p.grad = p.grad.redistribute(p.device_mesh, p.placements)
-
     @property
     def sharded_engines(self) -> list[ExchangeEngine]:
         return [engine for engine in self.engines if engine.sharded]
 
     def engine_of(self, entry: MuonParam) -> ExchangeEngine:
-        """The exchange engine that carries `entry`'s matrices (the one-rank engine, last, for a
-        parameter this rank holds whole)."""
+        """The engine that carries `entry`'s matrices (the one-rank engine, last, if this rank holds it whole)."""
         return self.engines[entry.rank_set] if entry.sharding is not None else self.engines[-1]
 
     def _unit_flops(self, unit: Unit) -> int:
@@ -314,20 +312,21 @@ class Muon(Optimizer):
         return self._metrics_read
 
     def local_state_bytes(self) -> int:
-        """Bytes of optimizer state this rank holds: AdamW moments, Muon momentum on its blocks
-        or, with momentum on the owners, the whole matrices it owns."""
+        """Bytes of optimizer state this rank holds: AdamW moments, Muon momentum (blocks, or owned matrices)."""
         return state_bytes([*self.state.values(), *self.owner_blocks.values()])
 
     # ------------------------------------------------------------ checkpoints
 
     hierarchical_exchange: bool | str = "auto"  # for copies of optimizers pickled before the option existed
     last_step_skipped: bool = False
+    commit_mode: str = "atomic"
+    partially_applied: bool = False  # a streaming step failed after writing: refuse until a checkpoint is loaded
     ranks_per_node: int | None = None
     compile_elementwise: bool | None = None
     _CARRIED = ("exchange_memory_mb", "rounds_in_flight", "ns_dtype_setting", "comm_dtype_setting", "nonfinite_grads",
                 "row_blocks", "overlap", "adamw_implementation", "storage", "skipped_steps", "owner_blocks", "pipeline_group",
                 "demo", "replicate_group", "hierarchical_exchange", "ranks_per_node", "last_step_skipped",
-                "compile_elementwise")  # fmt: skip
+                "compile_elementwise", "commit_mode", "partially_applied")  # fmt: skip
 
     def __getstate__(self) -> dict:
         return {**super().__getstate__(), **{key: getattr(self, key) for key in self._CARRIED}}
@@ -348,3 +347,4 @@ class Muon(Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         """Refuse state saved under another Muon/AdamW assignment, before changing anything."""
         checkpoint.load_state_dict(self, state_dict, super().load_state_dict)
+        self.partially_applied = False

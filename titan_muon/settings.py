@@ -105,8 +105,13 @@ def exchange_memory(exchange_memory_mb: float | None, bucket_size_mb: float | No
     return float(exchange_memory_mb), rounds_in_flight
 
 
-def check_options(ns_dtype: str, comm_dtype: str, nonfinite_grads: str, adamw_implementation: str) -> None:
+COMMIT_MODES = ("atomic", "streaming")
+
+
+def check_options(ns_dtype: str, comm_dtype: str, nonfinite_grads: str, adamw_implementation: str, commit: str = "atomic") -> None:
     resolve_ns_precision(ns_dtype, torch.device("cpu"))
+    if commit not in COMMIT_MODES:
+        raise ValueError(f"titan_muon.Muon: commit={commit!r}; expected one of {COMMIT_MODES}")
     if comm_dtype not in DTYPE_CHOICES:
         resolve_dtype(comm_dtype, "comm_dtype", torch.device("cpu"))
     if nonfinite_grads not in NONFINITE_POLICIES:

@@ -8,11 +8,17 @@ lerp, weight decay, the update, and the fused AdamW kernel — so an out-of-memo
 one rank cannot leave it half-committed while the others have finished. torch's "foreach"
 and "for-loop" AdamW kernels allocate temporaries; with them that guarantee does not cover
 the AdamW groups (docs/reliability.md).
+
+With ``commit="streaming"`` the weights of each round are written as its updates return
+(:func:`apply_updates`), so no rank holds every update at once, and fp32 momentum on the
+shards is updated by the pass that packs the Nesterov input (one read of M and g instead of
+two); other momentum and AdamW still wait for the agreement. A failure after the first write cannot be undone: it is reported on
+every rank as a partially applied step and the optimizer refuses to step again until a
+checkpoint is loaded (:func:`refuse_after_partial_step`).
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
@@ -31,6 +37,7 @@ class StepWork:
     updates: list[tuple[object, Tensor, Tensor]] = field(default_factory=list)  # (MuonParam, local view, update)
     staged: list[tuple[dict, dict]] = field(default_factory=list)  # (state, its new tensors): swapped in at the commit
     grads32: dict[int, Tensor] = field(default_factory=dict)  # MuonParam index -> fp32 copy of a low-precision gradient
+    momentum_written: set[int] = field(default_factory=set)  # MuonParam indexes whose fp32 momentum the packing updated
     held: list = field(default_factory=list)  # return buffers the updates view: alive until the commit
     update_sq: list[Tensor] = field(default_factory=list)  # device scalars: sums of squared lr-scaled updates
     update_numel: int = 0
@@ -43,10 +50,19 @@ def staged_state(storage, state: dict, momentum: Tensor, stream: int, first_row:
     if storage.name == "fp32" and not isinstance(state["momentum_buffer"], DTensor):
         memory.add(momentum.numel() * 4)
         return {"momentum_buffer": momentum}
-    staged = {key: value.clone() for key, value in state.items()}
+    staged = {key: _copy(value) for key, value in state.items()}
     storage.store(staged, momentum, stream=stream, first_row=first_row)
     memory.add(sum(local_shard(v).numel() * v.element_size() for v in staged.values()))
     return staged
+
+
+def _copy(value):
+    """A copy of a state tensor; a DTensor's local shard is copied and wrapped again, as DTensor's
+    own clone would (without its sharding propagation, which a meta mesh cannot run)."""
+    if isinstance(value, DTensor):
+        return DTensor.from_local(value.to_local().clone(), value.device_mesh, value.placements, run_check=False,
+                                  shape=value.shape, stride=value.stride())  # fmt: skip
+    return value.clone()
 
 
 def stage_momentum(storage, entries, state: dict, work: StepWork, failure: StepFailure) -> None:
@@ -75,7 +91,7 @@ def _stage(storage, entries, state: dict, work: StepWork) -> None:
         work.staged.append((state[entry.param], staged_state(storage, state[entry.param], momentum, entry.index, None, work.memory)))
 
 
-def commit(storage, entries, owner_entries, state: dict, param_groups: list[dict], work: StepWork, elementwise: Elementwise) -> None:
+def commit(storage, entries, owner_entries, state: dict, work: StepWork, elementwise: Elementwise) -> None:
     """Momentum (staged, or fp32 in place for `entries`), then the parameters; allocates nothing
     but the 0-dim decay factors. `owner_entries`, whose momentum the owners staged, count the
     store in their "step" (as their owners' blocks do)."""
@@ -86,16 +102,23 @@ def commit(storage, entries, owner_entries, state: dict, param_groups: list[dict
             state[entry.param]["step"] += 1
     if storage.name == "fp32":
         for entry in entries:
+            if entry.index in work.momentum_written:
+                continue
             grad = work.grads32.get(entry.index, local_shard(entry.param.grad))
             elementwise.momentum_update_(local_shard(state[entry.param]["momentum_buffer"]), grad, entry.group["momentum"])
-    by_group: dict[tuple, tuple[list[Tensor], list[Tensor]]] = defaultdict(lambda: ([], []))
-    for entry, target, update in work.updates:
-        targets, updates = by_group[(entry.group_index, target.dtype)]
+    apply_updates(work.updates, elementwise)
+
+
+def apply_updates(updates: list[tuple[object, Tensor, Tensor]], elementwise: Elementwise) -> None:
+    """W ← (1 − lr·wd)·W − lr·update on each (MuonParam, local block, update), one fused pass per
+    param group and dtype: at the commit, or as each round returns with ``commit="streaming"``."""
+    by_group: dict[tuple, tuple[dict, list[Tensor], list[Tensor]]] = {}
+    for entry, target, update in updates:
+        _, targets, group_updates = by_group.setdefault((entry.group_index, target.dtype), (entry.group, [], []))
         targets.append(target)
-        updates.append(update)
-    for (group_index, _), (targets, updates) in by_group.items():
-        group = param_groups[group_index]
-        elementwise.decay_and_step_(targets, updates, float(group["lr"]), group["weight_decay"])  # a device lr: one host read
+        group_updates.append(update)
+    for group, targets, group_updates in by_group.values():
+        elementwise.decay_and_step_(targets, group_updates, float(group["lr"]), group["weight_decay"])  # a device lr: one host read
 
 
 def adamw_step_device(p: Tensor, implementation: str) -> torch.device:
@@ -126,3 +149,12 @@ def adamw_step(param_groups: list[dict], state: dict, implementation: str) -> No
             weight_decay=group["weight_decay"], eps=group["eps"], maximize=False,
             foreach=implementation == "foreach", fused=implementation == "fused",
         )  # fmt: skip
+
+
+def refuse_after_partial_step(partially_applied: bool) -> None:
+    if partially_applied:
+        raise RuntimeError(
+            "titan_muon.Muon: an earlier streaming step (commit='streaming') failed after some of its updates were "
+            "written, so the parameters are partially updated. Load a checkpoint (load_state_dict) before stepping "
+            "again, or use commit='atomic', which writes nothing until every rank has succeeded."
+        )

@@ -10,7 +10,8 @@ matrix work needs:
 * ``orthogonalize`` — what an owner computes for a round: the input of each batch (as it
   arrived; the owners' own Nesterov input; DeMo's average over the replicas), Newton–Schulz,
   the shape's scale;
-* ``receive`` — each returned update, kept for the commit with the block it updates.
+* ``receive`` — each returned update, kept for the commit with the block it updates or, with
+  ``streaming``, written into that block once its whole round has returned (``write_round``).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from titan_muon.algorithm.commit import StepWork, staged_state
+from titan_muon.algorithm.commit import StepWork, apply_updates, staged_state
 from titan_muon.algorithm.orthogonalizer import Orthogonalizer
 from titan_muon.algorithm.update import Elementwise
 from titan_muon.exchange.engine import ExchangeEngine, StepFailure
@@ -45,6 +46,7 @@ class MatrixStep:
     failure: StepFailure
     timer: StepTimer
     work: StepWork
+    streaming: bool = False  # commit="streaming": weights written round by round
     momenta: dict[int, Tensor] = field(default_factory=dict)  # decoded low-precision momentum, once per parameter
 
     def run(self, engines: list[ExchangeEngine]) -> None:
@@ -61,6 +63,7 @@ class MatrixStep:
                 key_of=lambda u, engine=engine: self.ns_key(engine.units[u]),
                 arrived=early.arrived if early is not None else None,
                 settle=(lambda r, s=s, engine=engine: self.replicas.settle(s, r, engine)) if self.replicas is not None else None,
+                returned=self.write_round if self.streaming else None,
             )  # fmt: skip
 
     def ns_key(self, unit: Unit) -> tuple[tuple[int, int], int]:
@@ -83,25 +86,40 @@ class MatrixStep:
                     self.work.memory.add(self.momenta[entry.index].numel() * 4)
             grad = local_piece(entry.stack(p.grad), piece)
             momentum = local_piece(self.momenta[entry.index], piece)
-            self.elementwise.nesterov_input_into(out, grad, momentum, entry.group["momentum"], entry.group["nesterov"])
+            if self.streaming and self.storage.name == "fp32":  # no rollback to protect: the commit's lerp is done here
+                self.elementwise.momentum_and_nesterov_input_(momentum, out, grad, entry.group["momentum"], entry.group["nesterov"])
+                self.work.momentum_written.add(entry.index)
+            else:
+                self.elementwise.nesterov_input_into(out, grad, momentum, entry.group["momentum"], entry.group["nesterov"])
 
     def receive(self, engine: ExchangeEngine, piece: Piece, update: Tensor) -> None:
         entry = self.params[engine.units[piece.unit].param]
         if id(entry.param) not in self.verdict.skipped:
             self.work.updates.append((entry, local_piece(entry.stack(entry.param), piece), update))
 
+    def write_round(self, r: int) -> None:
+        """commit="streaming": the returned round's updates go into the weights now, and go."""
+        with phase("commit_round"):
+            apply_updates(self.work.updates, self.elementwise)
+        self.work.updates.clear()
+
     # ------------------------------------------------------------------ owner side
 
     def orthogonalize(self, s: int, engine: ExchangeEngine, r: int, batches: list[Batch], scales: dict[int, float]) -> dict[int, Tensor]:
         results: dict[int, Tensor] = {}
         memory = self.work.memory
-        for batch, matrices in zip(batches, self._owner_inputs(s, engine, r, batches, scales)):
+        inputs = self._owner_inputs(s, engine, r, batches, scales)
+        # Inputs made here (the owners' Nesterov input, DeMo's) live beside the arrivals until the round's NS is done.
+        made = sum(m.numel() * m.element_size() for batch, m in zip(batches, inputs) if m is not batch.matrices)
+        memory.add(made)
+        for batch, matrices in zip(batches, inputs):
             workspace = self.newton_schulz.workspace_bytes(batch.key, matrices)
             memory.add(workspace)
             out = self.newton_schulz(batch.key, matrices, self.timer, self.work)
             memory.free(workspace)
-            memory.add(out.numel() * out.element_size())  # until the return buffer is packed (engine frees it)
+            memory.add(out.numel() * out.element_size() + 4)  # until the return buffer is packed; + the update's squared norm (metrics)
             results.update(zip(batch.units, out.unbind(0)))
+        memory.free(made)
         return results
 
     def _owner_inputs(self, s: int, engine: ExchangeEngine, r: int, batches: list[Batch], scales: dict[int, float]) -> list[Tensor]:

@@ -296,16 +296,24 @@ def _plus_identity(matrix: Tensor, scale: float) -> Tensor:
     return matrix
 
 
-def standard_iterations(x: Tensor, schedule: list[tuple[float, float, float]]) -> Tensor:
-    """X ← a·X + (b·G + c·G²)·X with G = X Xᵀ, once per (a, b, c); x is wide (rows ≤ cols)."""
-    for a, b, c in schedule:
+def standard_iterations(x: Tensor, schedule: list[tuple[float, float, float]], scale: float = 1.0, transpose: bool = False) -> Tensor:
+    """X ← a·X + (b·G + c·G²)·X with G = X Xᵀ, once per (a, b, c); x is wide (rows ≤ cols).
+    The last product returns scale·X, as Xᵀ (contiguous) with `transpose`: the GEMM's own epilogue
+    scales, and (P X)ᵀ = Xᵀ Pᵀ is written in that layout, with no pass of its own."""
+    for i, (a, b, c) in enumerate(schedule):
         gram = x @ x.mT
         poly = _addmm(gram, gram, gram, beta=b, alpha=c)
-        x = _addmm(x, poly, x, beta=a)
+        if i + 1 < len(schedule) or (scale == 1.0 and not transpose):
+            x = _addmm(x, poly, x, beta=a)
+        elif transpose:
+            x = _addmm(x.mT, x.mT, poly.mT, beta=a * scale, alpha=scale)
+        else:
+            x = _addmm(x, poly, x, beta=a * scale, alpha=scale)
     return x
 
 
-def gram_iterations(x: Tensor, schedule: list[tuple[float, float, float]], segments: tuple[int, ...]) -> Tensor:
+def gram_iterations(x: Tensor, schedule: list[tuple[float, float, float]], segments: tuple[int, ...], scale: float = 1.0,
+                    transpose: bool = False) -> Tensor:  # fmt: skip
     """The same polynomial as standard_iterations, iterated on the small m×m Gram matrix.
 
     With P = a·I + B, B = b·G + c·G², one step is X ← P X and G ← P G P (P commutes with G).
@@ -317,6 +325,8 @@ def gram_iterations(x: Tensor, schedule: list[tuple[float, float, float]], segme
     whose result is X Xᵀ of the next X) compute three of their four 2×2 blocks. Q ← P Q is not
     split: P and Q commute only up to rounding, and mirroring one triangle of their product
     breaks Q X = P (Q_prev X) (measured: 10x the rounding error on low-rank fp32 inputs).
+    The last X ← Q X returns scale·X, as Xᵀ = Xᵀ Qᵀ (contiguous) with `transpose`, as
+    standard_iterations does.
     """
     start = 0
     for length in segments:
@@ -331,9 +341,31 @@ def gram_iterations(x: Tensor, schedule: list[tuple[float, float, float]], segme
             if i + 1 < length:
                 half = _symmetric_addmm(gram, poly, gram, beta=a)
                 gram = _symmetric_addmm(half, poly, half, beta=a)
-        x = accumulated @ x
         start += length
+        if start < len(schedule) or (scale == 1.0 and not transpose):
+            x = accumulated @ x
+        else:
+            left, right = (x.mT, accumulated.mT) if transpose else (accumulated, x)
+            x = _addmm(x.new_zeros((1,) * x.ndim), left, right, beta=0.0, alpha=scale)  # beta 0: the bias is not read
     return x
+
+
+def workspace_bytes(batch: int, rows: int, cols: int, algorithm: str, dtype: torch.dtype, device_type: str) -> int:
+    """Peak bytes :func:`orthogonalize` allocates for a (batch, rows, cols) input in compute dtype
+    `dtype` with a resolved `algorithm`. Per matrix (short side m, long side n, itemsize s): three
+    m × n matrices in the NS dtype — the scaled input the caller keeps, the iterate and the next one
+    (fp16's fp32 scaled copy and its fp16 rounding, 4 + 2 bytes, are the same 3·s) — and the m × m
+    products: the Gram matrix and the polynomial, and for Gram NS also the accumulated polynomial and
+    the half-updated Gram matrix; and its norm, one scalar. On CPU a batch runs one matrix at a time and is then stacked, so the
+    earlier results and the stack are alive as well. Measured against storage lifetimes:
+    tests/test_newton_schulz.py::test_workspace_bytes_bound_what_is_alive."""
+    short, long = sorted((rows, cols))
+    itemsize = dtype.itemsize
+    per_matrix = itemsize * (3 * short * long + (4 if algorithm == "gram" else 2) * short * short) + 4  # + its norm
+    if device_type == "cpu" and batch > 1:
+        result = itemsize * rows * cols
+        return max(per_matrix + (batch - 1) * result, 2 * batch * result)
+    return batch * per_matrix
 
 
 def orthogonalize(
@@ -343,6 +375,9 @@ def orthogonalize(
     dtype: torch.dtype = torch.float32,
     eps: float = 1e-7,
     algorithm: str = "standard",
+    *,
+    scale: float = 1.0,
+    contiguous: bool = False,
 ) -> Tensor:
     """Approximate U Vᵀ of the SVD U S Vᵀ of `matrix` (or of each matrix of a batch).
 
@@ -350,6 +385,8 @@ def orthogonalize(
     side: fewer FLOPs on rectangular matrices), or "auto" (resolve_algorithm).
     dtype: the compute dtype, fp32, bf16 or fp16 (fp16: scaled in fp32 first; Gram NS restarts
     every 2 steps, gram_segments); the result is returned in it.
+    scale: the result is scale·U Vᵀ, scaled by the last product itself. contiguous: return a
+    row-major result (a tall matrix is otherwise returned as a transposed view).
     """
     if matrix.ndim not in (2, 3):
         raise ValueError(f"orthogonalize expects a matrix or a batch of matrices, got shape {tuple(matrix.shape)}")
@@ -366,7 +403,7 @@ def orthogonalize(
     if matrix.ndim == 3 and matrix.device.type == "cpu":
         # CPU BLAS runs one GEMM at a time either way; 2-D addmm beats baddbmm by ~8 % (measured,
         # fp32, 1024-2816 sides). Batching pays on GPUs, where it saves kernel launches.
-        return torch.stack([orthogonalize(m, steps, method, dtype, eps, algorithm) for m in matrix])
+        return torch.stack([orthogonalize(m, steps, method, dtype, eps, algorithm, scale=scale, contiguous=contiguous) for m in matrix])
     # fp16 cannot hold every unscaled input (a momentum of 1e-8 underflows, a sum of squares
     # overflows): scale in fp32 first, then round once to fp16.
     x = matrix.to(torch.promote_types(matrix.dtype, torch.float32) if dtype == torch.float16 else dtype)
@@ -377,10 +414,13 @@ def orthogonalize(
     norm = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True)
     if method == "polar_express":
         norm = norm * POLAR_EXPRESS_SAFETY
-    x = (x / norm.clamp(min=eps)).to(dtype)
+    norm = norm.clamp(min=eps)
+    # A copy made above (another dtype) is ours to divide in place: one pass and one matrix fewer.
+    x = (x.div_(norm) if x.dtype != matrix.dtype else x / norm).to(dtype)
     schedule = coefficient_schedule(method, steps)
+    transpose = tall and contiguous
     if algorithm == "gram":
-        x = gram_iterations(x, schedule, gram_segments(steps, dtype))
+        x = gram_iterations(x, schedule, gram_segments(steps, dtype), scale, transpose)
     else:
-        x = standard_iterations(x, schedule)
-    return x.mT if tall else x
+        x = standard_iterations(x, schedule, scale, transpose)
+    return x.mT if tall and not transpose else x

@@ -13,18 +13,10 @@ from titan_muon.algorithm.newton_schulz import (
     half_precision_peak,
     newton_schulz_flops,
     orthogonalize,
+    workspace_bytes,
 )
 from titan_muon.algorithm.update import update_scale
 from titan_muon.timing import StepTimer, phase
-
-# Peak bytes orthogonalize() allocates (copies in the NS dtype, Gram products, polynomial, the
-# fp32 result) per byte of its fp32 input, measured with a storage-lifetime mode on CPU
-# (tests/test_memory.py::test_peak_transient_bytes_bound_what_is_really_alive): at most
-# 5.6 in fp32 (Gram NS on a near-square batch) and 3.3 in bf16. fp16 scales its input in fp32
-# before rounding it, but that copy is freed before the NS products exist: as bf16, 3.5 plus
-# its fp32 norm at most (a single 64 × 64 Gram NS, forced: "auto" runs standard NS on square
-# matrices; 2.4 at 300 × 640; tests/test_newton_schulz.py::test_fp16_workspace).
-NS_WORKSPACE = {torch.float32: 6.0, torch.bfloat16: 3.5, torch.float16: 3.6}
 
 
 class Orthogonalizer:
@@ -56,10 +48,11 @@ class Orthogonalizer:
         return newton_schulz_flops(rows, cols, group["ns_steps"], *self.plan(group, rows, cols))
 
     def workspace_bytes(self, key: tuple, matrices: Tensor) -> int:
-        """What orthogonalizing `matrices` (fp32) allocates at its peak (NS_WORKSPACE)."""
+        """What orthogonalizing and scaling the batch `matrices` allocates at its peak
+        (newton_schulz.workspace_bytes: the scaled result is one of NS's own three copies)."""
         shape, group_index = key
-        _, dtype = self.plan(self.param_groups()[group_index], *shape)
-        return int(NS_WORKSPACE[dtype] * matrices.numel() * 4)
+        algorithm, dtype = self.plan(self.param_groups()[group_index], *shape)
+        return workspace_bytes(matrices.shape[0], *shape, algorithm, dtype, matrices.device.type)
 
     def __call__(self, key: tuple, matrices: Tensor, timer: StepTimer, work) -> Tensor:
         shape, group_index = key
@@ -67,13 +60,13 @@ class Orthogonalizer:
         steps, (algorithm, dtype) = group["ns_steps"], self.plan(group, *shape)
         timer.start("ns")
         with phase("newton_schulz"):
-            ortho = orthogonalize(matrices, steps, group["ns_coefficients"], dtype, group["ns_eps"], algorithm)
+            # Scaled by NS's last product, row-major (the return buffer is cut from it by rows), in
+            # the NS dtype: the value the wire carries anyway.
+            scaled = orthogonalize(matrices, steps, group["ns_coefficients"], dtype, group["ns_eps"], algorithm,
+                                   scale=update_scale(group["adjust_lr_fn"], *shape), contiguous=True)  # fmt: skip
         timer.stop("ns")
         work.ns_flops += matrices.shape[0] * newton_schulz_flops(*shape, steps, algorithm, dtype)
-        with phase("scale"):
-            # In the NS dtype, the value the wire carries anyway, into a row-major buffer: NS returns
-            # tall matrices transposed, and the return buffer is cut from them by rows.
-            scaled = torch.mul(ortho, update_scale(group["adjust_lr_fn"], *shape), out=torch.empty_like(ortho, memory_format=torch.contiguous_format))
+        with phase("update_norm"):
             work.update_sq.append(torch.linalg.vector_norm(scaled, dtype=torch.float32).square() * group["lr"] ** 2)
         work.update_numel += scaled.numel()
         return scaled

@@ -84,6 +84,18 @@ def nesterov_input_and_momentum_into(out: Tensor, grad: Tensor, momentum: Tensor
     return new
 
 
+def momentum_and_nesterov_input_(momentum: Tensor, out: Tensor, grad: Tensor, beta: float, nesterov: bool) -> None:
+    """In place M ← lerp(M, g, 1−β), and out ← the Nesterov input from it, in one pass: the same
+    values as nesterov_input_into followed by momentum_update_ (commit="streaming" only: the
+    momentum is written before the ranks agree)."""
+    grad = grad.float()
+    momentum.lerp_(grad, 1 - beta)
+    if nesterov:
+        _into(out, torch.lerp, grad, momentum, beta)
+    else:
+        out.copy_(momentum)
+
+
 def momentum_update_(momentum: Tensor, grad: Tensor, beta: float) -> None:
     """In place: M ← lerp(M, g, 1 − β), the lerp the Nesterov input used."""
     momentum.lerp_(grad.float(), 1 - beta)
@@ -130,6 +142,7 @@ class Elementwise:
             wrap = lambda fn: torch.compile(fn, dynamic=True, fullgraph=True)  # noqa: E731
         self.nesterov_input_into = wrap(nesterov_input_into)
         self.nesterov_input_and_momentum_into = wrap(nesterov_input_and_momentum_into)
+        self.momentum_and_nesterov_input_ = wrap(momentum_and_nesterov_input_)
         self.momentum_update_ = wrap(momentum_update_)
         self._decay_and_step_ = wrap(decay_and_step_)
 

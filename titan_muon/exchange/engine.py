@@ -92,23 +92,29 @@ class StepFailure:
             self.error, self.where = error, where
 
 
-def agree_on_success(transport: Transport, failure: StepFailure) -> None:
+def agree_on_success(transport: Transport, failure: StepFailure, streaming: bool = False) -> None:
     """Raise the same error on every rank of `transport` if any of them recorded a failure
-    (one tiny all-reduce, one host read)."""
+    (one tiny all-reduce, one host read). `streaming`: rounds were written as they returned, so
+    the error says the parameters may be partially updated instead of unchanged."""
     mine = float(transport.rank + 1) if failure.error is not None else 0.0
     flag = transport.all_reduce(torch.full((1,), mine, device=transport.device), dist.ReduceOp.MAX)
     failed_rank = int(flag.tolist()[0]) - 1
-    if failed_rank < 0:
+    if failed_rank < 0 and failure.error is None:  # (a local failure raises whatever the read says: on meta it reads 0)
         return
+    outcome = (
+        "the rounds that had returned were written (commit='streaming'), so parameters and Muon momentum may be "
+        "partially updated while AdamW state is unchanged; load a checkpoint before stepping again"
+        if streaming
+        else "no parameter or optimizer state was changed"
+    )
     if failure.error is not None:
         raise RuntimeError(
             f"titan_muon.Muon: the optimizer step failed on rank {transport.rank} while {failure.where} "
-            f"({type(failure.error).__name__}: {failure.error}); every rank stopped and no parameter or optimizer "
-            "state was changed."
+            f"({type(failure.error).__name__}: {failure.error}); every rank stopped and {outcome}."
         ) from failure.error
     raise RuntimeError(
         f"titan_muon.Muon: the optimizer step failed on rank {failed_rank} of the Muon process group (its log "
-        "has the cause); every rank stopped and no parameter or optimizer state was changed."
+        f"has the cause); every rank stopped and {outcome}."
     )
 
 
@@ -232,16 +238,19 @@ class ExchangeEngine:
         memory: MemoryAccount,
         arrived: dict[int, Exchange] | None = None,
         settle: Callable[[int], None] | None = None,
+        returned: Callable[[int], None] | None = None,
     ) -> list[Exchange]:
         """Every round's round trip, ``rounds_in_flight`` outbound trips ahead of the owners.
 
         Pieces travel out in `dtype` and come back in `return_dtype`. ``arrived``: rounds whose
-        outbound trip already happened (during backward). Returns the return exchanges, whose buffers hold the updates
+        outbound trip already happened (during backward), each taken out of the dict once used. Returns the return exchanges, whose buffers hold the updates
         handed to ``receive``: they stay alive until the commit. ``settle(r)``, if given, runs
         after round r's owner work on every rank, whether that work ran, failed or was skipped
         after an earlier failure: DeMo's owners complete their collective across replicas there.
+        ``returned(r)``, if given, runs once round r's updates have all been handed to ``receive``
+        (unless this rank failed before); the updates' buffer is then dropped, not held.
         """
-        arrived = dict(arrived or {})
+        arrived = arrived if arrived is not None else {}  # each taken out once used, so its buffers can go
         self.bytes_to_owners = 0
         for exchange in arrived.values():  # both buffers stay alive until the round is waited for
             memory.add(exchange.nbytes)
@@ -278,6 +287,7 @@ class ExchangeEngine:
                     with phase("disassemble"):
                         back = disassemble(tables, results, return_dtype, self.device)
                     memory.free(batch_bytes + sum(t.numel() * t.element_size() for t in results.values()))
+                    del batches, results  # not alive through the next round's Newton-Schulz
                 except Exception as error:  # noqa: BLE001 - settled on every rank in agree_on_success
                     failure.record(error, f"Newton-Schulz of round {r}")
             if settle is not None:
@@ -289,22 +299,30 @@ class ExchangeEngine:
             returning.append((r, self.return_trip(r, back, failure)))
             memory.add(returning[-1][1].nbytes)
             if len(returning) > self.rounds_in_flight:
-                held.append(self._receive(*returning.pop(0), receive, failure, memory))
+                held += self._receive(*returning.pop(0), receive, returned, failure, memory)
         for r, exchange in returning:
-            held.append(self._receive(r, exchange, receive, failure, memory))
+            held += self._receive(r, exchange, receive, returned, failure, memory)
         return held
 
-    def _receive(self, r: int, exchange: Exchange, receive: Receive, failure: StepFailure, memory: MemoryAccount) -> Exchange:
-        memory.free(exchange.nbytes - exchange.received.numel())  # the updates stay until the commit
+    def _receive(self, r: int, exchange: Exchange, receive: Receive, returned: Callable[[int], None] | None,
+                 failure: StepFailure, memory: MemoryAccount) -> list[Exchange]:  # fmt: skip
+        """Round r's updates handed to ``receive``; [the exchange] if its buffer must stay alive
+        until the commit, [] once ``returned(r)`` has used them."""
+        memory.free(exchange.nbytes - exchange.received.numel())  # the updates stay until used
         updates = exchange.wait()
         if failure.error is None:
             try:
                 with phase("unpack"):
                     for piece, update in outbound_slots(self.tables[r], updates):
                         receive(r, piece, update)
+                if returned is not None:
+                    returned(r)
             except Exception as error:  # noqa: BLE001 - settled on every rank in agree_on_success
                 failure.record(error, f"receiving round {r}")
-        return exchange
+        if returned is None:
+            return [exchange]
+        memory.free(exchange.received.numel())
+        return []
 
 
 # ---------------------------------------------------------------------- building the engines

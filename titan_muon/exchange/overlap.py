@@ -105,9 +105,10 @@ class EarlySends:
     """What ``step()`` may use: rounds whose gradients arrived during backward, and per round
     and parameter the factor c with g_final = c·g_sent."""
 
-    arrived: dict[int, Exchange] = field(default_factory=dict)
+    arrived: dict[int, Exchange] = field(default_factory=dict)  # step() takes each out once used: its buffers go
     scales: dict[int, dict[int, float]] = field(default_factory=dict)
     bytes_sent: int = 0
+    rounds_sent: int = 0  # len(arrived) before step() took them
 
 
 class BackwardOverlap:
@@ -301,6 +302,7 @@ class BackwardOverlap:
             if usable and failed[r] == 0 and not any(mismatch[start : start + len(members)]):
                 early.arrived[r] = launch.exchange
                 early.scales[r] = dict(zip(members, scale[start : start + len(members)]))
+                early.rounds_sent += 1
             else:
                 launch.exchange.wait()
         self._end_step(learned, world)
@@ -352,7 +354,7 @@ def metrics(early: list) -> dict[str, float]:
         return {}
     return {
         "muon/bytes_sent_in_backward": float(sum(e.bytes_sent for e in sends)),
-        "muon/rounds_sent_in_backward": float(sum(len(e.arrived) for e in sends)),
+        "muon/rounds_sent_in_backward": float(sum(e.rounds_sent for e in sends)),
     }
 
 

@@ -53,7 +53,7 @@ class Exchange:
 
     @property
     def nbytes(self) -> int:
-        return self.received.numel() + (0 if self.sent is None else self.sent.numel()) + sum(t.numel() for t in self.relayed)
+        return self.received.nbytes + (0 if self.sent is None else self.sent.nbytes) + sum(t.nbytes for t in self.relayed)
 
 
 def _used_by_default_stream(*tensors: Tensor) -> None:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from titan_muon.algorithm.update import local_shard
 from titan_muon.exchange.transport import Transport
@@ -205,3 +206,12 @@ def _recording_step(opt, stepped: list):
         return step(*args, **kwargs)
 
     return recording
+
+
+def align_gradient_placements(param_groups: list[dict]) -> None:
+    """Give every DTensor gradient its parameter's placements (plain DTensor autograd under
+    tensor parallel can leave one Partial); collectives on the device, no host reads."""
+    for group in param_groups:
+        for p in group["params"]:
+            if isinstance(p.grad, DTensor) and isinstance(p, DTensor) and tuple(p.grad.placements) != tuple(p.placements):
+                p.grad = p.grad.redistribute(p.device_mesh, p.placements)

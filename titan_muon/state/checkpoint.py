@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from titan_muon.algorithm.commit import adamw_step_device, new_adamw_state
+from titan_muon.demo.sign import ERROR_KEY
 from titan_muon.demo.step import replica_keys
 from titan_muon.exchange.transport import uncounted
 from titan_muon.settings import GROUP_KEYS
@@ -37,6 +38,8 @@ def create_state(opt) -> None:
             for p in group["params"]:
                 if not opt.state[p]:
                     opt.state[p].update(new_adamw_state(p, opt.adamw_implementation))
+                    if opt.replicas is not None:  # DeMo's error feedback of a compressed AdamW gradient
+                        opt.state[p].update(opt.replicas.new_adamw_state(p))
     for entry in opt.muon_params:
         state = opt.state[entry.param]
         if entry.momentum_on_owner:
@@ -53,7 +56,13 @@ def create_state(opt) -> None:
 
 def state_dict(opt, state_dict: dict) -> dict:
     """`state_dict` (torch's, of `opt`) with the owners' momentum laid out like the parameters;
-    with DeMo, each replica's as its slice of a tensor over the replicas (Replicas.stacked)."""
+    with DeMo, each replica's as its slice of a tensor over the replicas (Replicas.stacked), and so
+    is each replica's error feedback of its sign-compressed AdamW gradients."""
+    index_of = {id(p): i for i, p in enumerate(p for g in opt.param_groups for p in g["params"])}
+    if opt.replicas is not None:
+        for p in _adamw_with_error(opt):
+            saved = state_dict["state"][index_of[id(p)]]  # torch's dict is the optimizer's own: replaced, not changed
+            state_dict["state"][index_of[id(p)]] = {**saved, ERROR_KEY: opt.replicas.stacked(opt.state[p][ERROR_KEY], p)}
     states = owner_momentum_like_params(opt)
     if states is None:
         return state_dict
@@ -62,7 +71,6 @@ def state_dict(opt, state_dict: dict) -> dict:
         for p in held:
             for key in replica_keys(opt.storage):
                 states[p][key] = opt.replicas.stacked(states[p][key], p)
-    index_of = {id(p): i for i, p in enumerate(p for g in opt.param_groups for p in g["params"])}
     for p in held:
         state_dict["state"][index_of[id(p)]] = states[p]
     return state_dict
@@ -126,7 +134,8 @@ def load_state_dict(opt, state_dict: dict, torch_load) -> None:
             )
         for index, pi in zip(saved["params"], range(len(group["params"]))):
             keys = set(state_dict["state"].get(index, {}))
-            expected = set(opt.storage.keys) if group["use_muon"] else {"step", "exp_avg", "exp_avg_sq"}
+            p = group["params"][pi]
+            expected = set(opt.storage.keys) if group["use_muon"] else {"step", "exp_avg", "exp_avg_sq", *_extra_adamw_keys(opt, p)}
             if keys and keys != expected:
                 raise ValueError(
                     f"titan_muon.Muon: saved state of {opt.param_name(gi, pi)!r} has keys {sorted(keys)}, "
@@ -135,7 +144,16 @@ def load_state_dict(opt, state_dict: dict, torch_load) -> None:
                 )
     muon_indices = {i for saved, group in zip(saved_groups, opt.param_groups) if group["use_muon"] for i in saved["params"]}
     state = {i: _PassedThrough(value) if i in muon_indices else value for i, value in state_dict["state"].items()}
+    errors = {}  # DeMo's per-replica error feedback of AdamW gradients: kept out of torch's cast to the parameter dtype
+    for saved, group in zip(saved_groups, opt.param_groups):
+        for index, p in zip(saved["params"], group["params"]):
+            if not group["use_muon"] and ERROR_KEY in state.get(index, {}):
+                state[index] = dict(state[index])
+                errors[p] = state[index].pop(ERROR_KEY)
     torch_load({**state_dict, "state": state})
+    for p, stacked in errors.items():
+        own = opt.replicas.own_slice(stacked, p, opt.param_name(*_position(opt, p)))
+        opt.state[p][ERROR_KEY] = own.to(device=p.device, dtype=torch.float32)
     tensor_keys = opt.storage.tensor_keys  # the rest are counters, kept on the host
     for group, saved in zip(opt.param_groups, saved_groups):
         for key in set(group) - set(saved) - set(GROUP_KEYS):  # torch's loader adds its own (differentiable)
@@ -185,3 +203,20 @@ def _send_to_owners(opt, states: dict) -> None:
                 blocks = shards_to_blocks(opt.storage, opt.muon_params, engine, states)
             for u, block in blocks.items():
                 opt.owner_blocks[(s, u)] = block
+
+
+def _adamw_with_error(opt) -> list:
+    """AdamW parameters that hold DeMo's error feedback (sign-compressed gradients)."""
+    return [p for g in opt.param_groups if not g["use_muon"] for p in g["params"] if ERROR_KEY in opt.state.get(p, {})]
+
+
+def _extra_adamw_keys(opt, p) -> tuple[str, ...]:
+    return (ERROR_KEY,) if opt.replicas is not None and opt.replicas.compresses(p) else ()
+
+
+def _position(opt, p) -> tuple[int, int]:
+    for gi, group in enumerate(opt.param_groups):
+        for pi, q in enumerate(group["params"]):
+            if q is p:
+                return gi, pi
+    raise KeyError("parameter not in the optimizer")
