@@ -14,15 +14,17 @@ weights and the same batches:
   5 Keller Newton–Schulz steps, per-head split of the attention projections, weight decay 0.1,
   AdamW 0.9/0.95 on embeddings, head and norms at ``adamw_lr``); full sync.
 * ``adamw``: torch's AdamW as in train_configs/llama3_gqa_adamw.toml (0.9/0.95, wd 0.1); full sync.
-* ``demo``: the same Muon with ``demo=True`` and nothing else (chunk 64, top-k 8, α 1, the shared
-  Nesterov momentum: the one switch), R replicas, each one process holding the whole model
-  (1 shard per replica) and its own 16/R sequences of every batch, ``replicate_group`` = the R
-  processes (gloo). Each replica's gradient is its own mean and is clipped on its own (as the
-  torchtitan integration does); the optimizer averages only what DeMo sends (and the AdamW
-  tensors' gradients, densely).
-* ``demo_lowrank``: the same with ``demo_compressor="low_rank"``; run only when the installed
-  titan_muon.Muon accepts that keyword (skipped with a note otherwise). Adding a DeMo variant is
-  one entry of ``ARMS``.
+* ``demo``: the same Muon with ``demo=True``, the DCT compressor and its defaults (chunk 64, top-k 8,
+  α 1, the shared Nesterov momentum) and ``demo_adamw="dense"`` (the AdamW tensors' gradients
+  all-reduced densely: the one switch before sign compression became its default), R replicas,
+  each one process holding the whole model (1 shard per replica) and its own 16/R sequences of
+  every batch, ``replicate_group`` = the R processes (gloo). Each replica's gradient is its own
+  mean and is clipped on its own (as the torchtitan integration does); the optimizer averages
+  only what DeMo sends.
+* ``demo_lowrank``: the same with ``demo_compressor="low_rank"`` (rank 4).
+* ``demo_sign``, ``demo_lowrank_sign`` (not in the default ``--arms``): today's one switch, the
+  AdamW tensors sign-compressed. An arm whose ``requires`` keyword titan_muon.Muon lacks is skipped
+  with a note. Adding a variant is one entry of ``ARMS``.
 
 Full sync is run as one process on the whole batch: data parallelism over R replicas that
 average their equal-size batches' mean gradients is the same gradient (up to the summation
@@ -93,12 +95,19 @@ class Arm:
     color: str = "black"
 
 
+DENSE_ADAMW = {"demo_adamw": "dense"}  # the AdamW tensors' gradients all-reduced densely (the only way before sign)
 ARMS = {
     "muon": Arm("Muon, full sync", "muon", "full", 0.02, 0.003, color="tab:orange"),
     "adamw": Arm("AdamW, full sync", "adamw", "full", 0.003, color="tab:blue"),
-    "demo": Arm("DeMo-DCT (one switch: k 8, α 1, shared momentum)", "muon", "demo", 0.02, 0.003, color="tab:green"),
-    "demo_lowrank": Arm("DeMo low-rank", "muon", "demo", 0.02, 0.003, {"demo_compressor": "low_rank"},
-                        requires="demo_compressor", color="tab:purple"),
+    "demo": Arm("DeMo-DCT (k 8, α 1, shared momentum; AdamW dense)", "muon", "demo", 0.02, 0.003,
+                {"demo_compressor": "dct", **DENSE_ADAMW}, requires="demo_adamw", color="tab:green"),
+    "demo_lowrank": Arm("DeMo low-rank (rank 4, α 1, shared momentum; AdamW dense)", "muon", "demo", 0.02, 0.003,
+                        {"demo_compressor": "low_rank", **DENSE_ADAMW}, requires="demo_compressor", color="tab:purple"),
+    # the one switch since sign-compressed AdamW became the default (not in the default --arms: not run yet)
+    "demo_sign": Arm("DeMo-DCT, one switch (k 8; AdamW sign)", "muon", "demo", 0.02, 0.003,
+                     requires="demo_adamw", color="tab:olive"),
+    "demo_lowrank_sign": Arm("DeMo low-rank (rank 4; AdamW sign)", "muon", "demo", 0.02, 0.003,
+                             {"demo_compressor": "low_rank"}, requires="demo_adamw", color="tab:brown"),
 }  # fmt: skip
 
 
