@@ -60,7 +60,10 @@ from torch.nn.attention.flex_attention import flex_attention  # noqa: E402
 from torchtitan.components.checkpointer import CheckpointManager  # noqa: E402
 from torchtitan.config import ConfigManager, apply_overrides  # noqa: E402
 from torchtitan.distributed import ParallelDims  # noqa: E402
-from torchtitan.distributed.context_parallel import apply_cp_to_forward, prepare_context_parallel_input  # noqa: E402
+from torchtitan.distributed.context_parallel import (  # noqa: E402
+    apply_cp_to_forward,
+    prepare_context_parallel_input,
+)
 from torchtitan.models.common.attention import FlexAttention  # noqa: E402
 
 from titan_muon.attention.clip import QKClip  # noqa: E402
@@ -89,7 +92,10 @@ from titan_muon.torchtitan.qk_clip import use_context_parallel_load_balancer  # 
 from titan_muon.torchtitan.v030 import cpu  # noqa: E402
 from titan_muon.torchtitan.v030.launch import parse  # noqa: E402
 from titan_muon.torchtitan.v030.models import llama3_gqa, model_spec  # noqa: E402
-from titan_muon.torchtitan.v030.optimizer import MuonOptimizersContainer, is_pipeline_stage  # noqa: E402
+from titan_muon.torchtitan.v030.optimizer import (  # noqa: E402
+    MuonOptimizersContainer,
+    is_pipeline_stage,
+)
 from titan_muon.torchtitan.v030.trainer import check_supported  # noqa: E402
 
 pytestmark = pytest.mark.timeout(1200)
@@ -706,12 +712,13 @@ def test_an_unwired_pipeline_stage_refuses_to_step():
         optimizers.step()
 
 
-def test_demo_is_refused_by_name_on_0_3_0():
-    """DeMo needs the optimizer to own the replicate dimension, which only the 0.2.2 adapter arranges:
-    on 0.3.0 the key must not reach a Muon that would fail later or run without replicas."""
+def test_demo_outside_titan_muons_trainer_is_refused_by_name():
+    """DeMo needs the model sharded over each replica's fsdp mesh only and the replicate group at the
+    optimizer's construction, which titan_muon's trainer arranges; a container built without it (a stock
+    Trainer, or by hand) must refuse rather than run Muon without replicas."""
     model = attention_model("llama3", "sdpa")
-    with pytest.raises(NotImplementedError, match="demo = true is not wired for torchtitan 0.3.0"):
-        MuonOptimizersContainer(MuonOptimizersContainer.Config(demo=True, nesterov=False), model_parts=[model])
+    with pytest.raises(RuntimeError, match="demo = true under torchtitan 0.3.0 needs titan_muon's trainer"):
+        MuonOptimizersContainer(MuonOptimizersContainer.Config(demo=True), model_parts=[model])
 
 
 class WholeBatchSchedule:
@@ -882,6 +889,43 @@ def test_hsdp_trains_like_fsdp(fsdp_run, workdir, layouts):
     hsdp = ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2"]
     dump = layout_run(workdir, layouts, "hsdp", *hsdp)
     assert_same_run(dump, fsdp_run, REASSOCIATED)
+
+
+DEMO = ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2", "--optimizer.demo"]
+
+
+@pytest.fixture(scope="module")
+def demo_run(workdir, layouts) -> Path:
+    """DeMo across 2 replicas x 2 shards, the shipped config and one switch, checkpoint at step 2."""
+    return layout_run(workdir, layouts, "demo_2x2", *DEMO, saving=True)
+
+
+def test_demo_replicas_each_get_their_own_mean_gradient(demo_run, fsdp_run):
+    """Every rank sees the same sequence, so each DeMo replica's own mean gradient is FSDP 2's: step 1's
+    loss and gradient norm (clipped per replica, over its fsdp mesh only) agree with it. A replica gradient
+    left at torchtitan's 1/R scale would show half the norm; one still reduced across replicas as well,
+    twice the norm. Later steps differ by design (DeMo's step is not Muon's)."""
+    for tag in ("loss_metrics/global_avg_loss", "grad_norm"):
+        got, want = read_scalars(str(demo_run), tag)[1], read_scalars(str(fsdp_run), tag)[1]
+        assert got == pytest.approx(want, rel=REASSOCIATED, abs=0), (tag, got, want)
+    losses = read_losses(str(demo_run))
+    assert sorted(losses) == list(range(1, LAYOUT_STEPS + 1))
+    assert losses[LAYOUT_STEPS] < losses[1]
+    sent, total = read_scalars(str(demo_run), "demo/bytes_sent"), read_scalars(str(demo_run), "demo/total_bytes_sent")
+    total_dense = read_scalars(str(demo_run), "demo/total_bytes_dense")
+    assert sorted(sent) == sorted(total) == list(range(1, LAYOUT_STEPS + 1))
+    assert all(total_dense[step] > 10 * total[step] >= 10 * sent[step] > 0 for step in sent)
+
+
+def test_demo_resumes_exactly(demo_run, workdir, layouts):
+    """Each replica's own momenta and error feedback are saved as its slice of a tensor over the replicas
+    and loaded back as its own: the resumed run logs steps 3 and 4 bit for bit."""
+    copy_layout_checkpoint(demo_run, workdir, "demo_2x2_resumed")
+    resumed = layout_run(workdir, layouts, "demo_2x2_resumed", *DEMO, saving=True)
+    later = range(LAYOUT_CHECKPOINT + 1, LAYOUT_STEPS + 1)
+    for tag in ("loss_metrics/global_avg_loss", "grad_norm", "demo/total_bytes_sent"):
+        expected = read_scalars(str(demo_run), tag)
+        assert read_scalars(str(resumed), tag) == {step: expected[step] for step in later}, tag
 
 
 def test_checkpoint_of_another_optimizer_setup_is_refused_before_loading(pipeline_run, workdir, layouts):

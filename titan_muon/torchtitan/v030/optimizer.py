@@ -40,12 +40,19 @@ titan_muon.torchtitan.v030.trainer calls once torchtitan's setup is done: each M
 pipeline group (a non-finite gradient in any stage raises or skips in every stage) and MuonClip is
 built over the stage's data-parallel and tensor-parallel groups. Until then it refuses to step.
 
+DeMo (``demo = true``): the replicas' group comes from the parallel dims that titan_muon's trainer
+lends while torchtitan builds the container (:func:`building_with`); built without it, the container
+refuses ``demo``.
+
 Not supported here (refused, naming the setting): torchtitan's ``param_groups`` table and
 ``optimizer_factory_kwargs_by_name`` (the split is build_param_groups'; use ``adamw_patterns``
 / ``muon_patterns``), ``implementation = "fused_opt_states_bf16"``.
 """
 
 import dataclasses
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import MISSING, dataclass, field, fields, make_dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -64,6 +71,7 @@ from titan_muon.torchtitan.config import validate_optimizer_config
 from titan_muon.torchtitan.metrics import time_optimizer_steps
 from titan_muon.torchtitan.muon import build_muon, merged_step_metrics, muon_kwargs
 from titan_muon.torchtitan.qk_clip import QKClipAfterStep
+from titan_muon.torchtitan.replicas import check_replicas
 
 
 def _copied(f: dataclasses.Field) -> tuple[str, Any, dataclasses.Field]:
@@ -109,13 +117,9 @@ class MuonOptimizersContainer(QKClipAfterStep, OptimizersContainer):
 
     def __init__(self, config: Config, *, model_parts: list[nn.Module]) -> None:
         check_config(config)
-        if config.demo:
-            raise NotImplementedError(
-                "[optimizer] demo = true is not wired for torchtitan 0.3.0 yet: DeMo needs the optimizer to own "
-                "the data_parallel_replicate dimension (FSDP2 on the shard mesh only), which titan_muon's 0.2.2 "
-                "adapter arranges; use torchtitan 0.2.2 for DeMo (docs/demo.md)"
-            )
         kwargs = muon_kwargs(config)
+        if config.demo:  # the optimizer owns the replicate dimension (FSDP2 runs on the fsdp mesh only)
+            kwargs["replicate_group"] = replicate_group_for_demo()
         self.config = config
         self.model_parts = model_parts
         # 0.3.0 builds the optimizer without the parallel dims: a pipeline stage is known here by its
@@ -186,6 +190,35 @@ class MuonOptimizersContainer(QKClipAfterStep, OptimizersContainer):
     def last_step_metrics(self) -> dict[str, float]:
         """The last step's Muon metrics (``muon/*``), merged over model parts, and MuonClip's (``qk_clip/*``)."""
         return merged_step_metrics(self.optimizers) | self.qk_clip_step_metrics()
+
+
+# The parallel dims of the trainer being built. torchtitan 0.3.0 builds the optimizer from its config
+# alone; DeMo needs the replicate group at construction (each replica owns its momenta), so titan_muon's
+# trainer lends its dims (known once torchtitan has initialized distributed) for its setup.
+_TRAINER_PARALLEL_DIMS: ContextVar[Callable[[], ParallelDims | None] | None] = ContextVar("titan_muon_parallel_dims", default=None)
+
+
+@contextmanager
+def building_with(parallel_dims: Callable[[], ParallelDims | None]) -> Iterator[None]:
+    """Containers built inside this block may ask ``parallel_dims()`` for the trainer's dims."""
+    token = _TRAINER_PARALLEL_DIMS.set(parallel_dims)
+    try:
+        yield
+    finally:
+        _TRAINER_PARALLEL_DIMS.reset(token)
+
+
+def replicate_group_for_demo() -> dist.ProcessGroup:
+    lent = _TRAINER_PARALLEL_DIMS.get()
+    parallel_dims = lent() if lent is not None else None
+    if parallel_dims is None:
+        raise RuntimeError(
+            "[optimizer] demo = true under torchtitan 0.3.0 needs titan_muon's trainer (python -m titan_muon.train, "
+            "or a Trainer.Config from titan_muon.torchtitan.v030): it shards the model over each replica's fsdp mesh "
+            "only and hands the optimizer the data_parallel_replicate group, which a stock Trainer does not"
+        )
+    check_replicas(parallel_dims)
+    return parallel_dims.get_mesh("dp_replicate").get_group()
 
 
 def is_pipeline_stage(model_part: nn.Module) -> bool:

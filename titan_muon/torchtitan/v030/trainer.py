@@ -16,11 +16,16 @@ runs it too. As the 0.2.2 trainer (titan_muon.torchtitan.v022.trainer) does, it 
 * under context parallel (SDPA), builds MuonClip's recorder with the ``cp`` mesh's sequence layout
   and the run's ``context_parallel_load_balancer``, as the 0.2.2 trainer does (FlexAttention under
   context parallel is refused: :func:`~titan_muon.torchtitan.qk_clip.refuse_context_parallel_030`);
+* with ``[optimizer] demo = true``, lets the optimizer own the replicate dimension as the 0.2.2
+  adapter does (titan_muon.torchtitan.replicas): FSDP2 over each replica's ``fsdp`` mesh only, each
+  replica's loss divided by its own tokens, and the parallel dims lent to the optimizer container
+  while torchtitan builds it (for the ``dp_replicate`` group);
 * checks the checkpoint it is about to resume from before loading it (shards whole, model and
   optimizer state fitting this run: titan_muon.torchtitan.checkpoint), and turns a failed
   checkpoint write into one error naming the folder.
 """
 
+import dataclasses
 from dataclasses import dataclass, fields
 
 from torch.distributed.checkpoint.api import CheckpointException
@@ -34,8 +39,13 @@ from titan_muon.torchtitan.qk_clip import (
     refuse_context_parallel_030,
     use_context_parallel_load_balancer,
 )
+from titan_muon.torchtitan.replicas import check_replicas, without_replicas
 from titan_muon.torchtitan.v030 import cpu
-from titan_muon.torchtitan.v030.optimizer import MuonOptimizersContainer, check_config
+from titan_muon.torchtitan.v030.optimizer import (
+    MuonOptimizersContainer,
+    building_with,
+    check_config,
+)
 
 
 def check_supported(config: Trainer.Config) -> None:
@@ -57,6 +67,19 @@ def check_supported(config: Trainer.Config) -> None:
         )
 
 
+def parallelize_without_replicas(parallelize_fn):
+    """torchtitan 0.3.0's ``parallelize_fn`` seeing a replicate degree of 1 (titan_muon.torchtitan.replicas):
+    FSDP2 over the ``fsdp`` mesh only, no gradient reduction across replicas. Pipeline parallel builds its
+    stages with the model spec's ``parallelize_fn``, so it gets this one too."""
+
+    def parallelize(model, *, parallel_dims, **kwargs):
+        check_replicas(parallel_dims)
+        return parallelize_fn(model, parallel_dims=without_replicas(parallel_dims), **kwargs)
+
+    parallelize.__wrapped__ = parallelize_fn
+    return parallelize
+
+
 class MuonTrainer(Trainer):
     @dataclass(kw_only=True, slots=True)
     class Config(Trainer.Config):
@@ -65,7 +88,13 @@ class MuonTrainer(Trainer):
     def __init__(self, config: Config):
         cpu.prepare(config)
         check_supported(config)
-        super().__init__(config)
+        self.demo = isinstance(config.optimizer, MuonOptimizersContainer.Config) and config.optimizer.demo
+        if self.demo:  # FSDP2 on each replica's fsdp mesh only: the optimizer owns the replicas
+            config.model_spec = dataclasses.replace(
+                config.model_spec, parallelize_fn=parallelize_without_replicas(config.model_spec.parallelize_fn)
+            )
+        with building_with(lambda: getattr(self, "parallel_dims", None)):
+            super().__init__(config)
         if cpu.should_use_cpu():
             cpu.force_sum_reductions(self.model_parts)
         if isinstance(self.optimizers, MuonOptimizersContainer):
@@ -75,6 +104,16 @@ class MuonTrainer(Trainer):
         if self.parallel_dims.pp_enabled:
             cpu.accept_microbatch_lists(self.pp_schedule)
             record_only_stage_forwards(self.pp_schedule, getattr(self.optimizers, "qk_clips", []))
+
+    def forward_backward_step(self, *, input_dict, labels, global_valid_tokens):
+        if not self.demo:
+            return super().forward_backward_step(input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens)
+        # Each replica's gradient is its own mean: its loss sum over the tokens / R (titan_muon.torchtitan.replicas);
+        # the returned loss is scaled back to torchtitan's sum / all tokens for logging.
+        replicas = self.parallel_dims.dp_replicate
+        loss = super().forward_backward_step(input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens / replicas)
+        placeholder = self.parallel_dims.pp_enabled and not self.pp_has_last_stage  # -1 on the other stages
+        return loss if placeholder else loss / replicas
 
     def train(self):
         if isinstance(self.checkpointer, CheckpointManager):  # DCP; not the torch_checkpointing backend
