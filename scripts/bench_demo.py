@@ -108,6 +108,10 @@ ARMS = {
                      requires="demo_adamw", color="tab:olive"),
     "demo_lowrank_sign": Arm("DeMo low-rank (rank 4; AdamW sign)", "muon", "demo", 0.02, 0.003,
                              {"demo_compressor": "low_rank"}, requires="demo_adamw", color="tab:brown"),
+    # bytes against quality: rank 16 sends 4x rank 4's (not in the default --arms)
+    "demo_lowrank_r16": Arm("DeMo low-rank (rank 16; AdamW dense)", "muon", "demo", 0.02, 0.003,
+                            {"demo_compressor": "low_rank", "demo_rank": 16, **DENSE_ADAMW}, requires="demo_compressor",
+                            color="tab:pink"),
 }  # fmt: skip
 
 
@@ -124,6 +128,8 @@ class ModelPreset:
 
 MODELS = {
     "bench": ModelPreset(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, multiple_of=128, seq_len=128, batch=16),
+    # the shipped llama3_gqa_*.toml's debugmodel_gqa as scripts/train.sh runs it (2 ranks x 4 sequences of 256)
+    "config": ModelPreset(dim=256, n_layers=4, n_heads=8, n_kv_heads=2, multiple_of=256, seq_len=256, batch=8),
     "tiny": ModelPreset(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, multiple_of=64, seq_len=32, batch=8),  # tests
 }
 
@@ -426,8 +432,17 @@ def configurations(args) -> list[tuple[str, int]]:
         if ARMS[arm].sync == "full":
             configs.append((arm, 1))
         else:
-            configs += [(arm, int(r)) for r in args.replicas.split(",")]
+            configs += [(arm, int(r)) for r in per_arm(args.arm_replicas, arm, args.replicas).split(",")]
     return configs
+
+
+def per_arm(option: str, arm: str, default: str) -> str:
+    """The value ``option`` ("arm=value;arm=value") gives ``arm``, else ``default``."""
+    for entry in filter(None, option.split(";")):
+        name, _, value = entry.partition("=")
+        if name.strip() == arm:
+            return value
+    return default
 
 
 def load(args, arm: str, replicas: int, lr_mult: float, seed: int) -> dict | None:
@@ -440,9 +455,14 @@ def load(args, arm: str, replicas: int, lr_mult: float, seed: int) -> dict | Non
     return result
 
 
+def arm_lr_mults(args, arm: str) -> str:
+    """The sweep's multipliers for ``arm``: ``--arm-lr-mults`` where it names the arm, else ``--lr-mults``."""
+    return per_arm(args.arm_lr_mults, arm, args.lr_mults)
+
+
 def sweep_state(args, arm: str, replicas: int) -> tuple[list[tuple[float, int]], float | None]:
     """(runs still needed, best lr multiplier or None while the sweep is incomplete)."""
-    mults = sorted(float(m) for m in args.lr_mults.split(","))
+    mults = sorted(float(m) for m in arm_lr_mults(args, arm).split(","))
     for _ in range(args.max_extend + 1):
         missing = [(m, 0) for m in mults if load(args, arm, replicas, m, 0) is None]
         if missing:
@@ -455,8 +475,13 @@ def sweep_state(args, arm: str, replicas: int) -> tuple[list[tuple[float, int]],
         mults.sort()
     else:
         best = min(scores, key=lambda m: (not math.isfinite(scores[m]), scores[m]))
-    missing = [(best, s) for s in range(1, args.seeds) if load(args, arm, replicas, best, s) is None]
+    missing = [(best, s) for s in range(1, arm_seeds(args, arm, replicas)) if load(args, arm, replicas, best, s) is None]
     return missing, best
+
+
+def arm_seeds(args, arm: str, replicas: int) -> int:
+    """Seeds at the best lr: ``--arm-seeds`` for "arm@R" or "arm", else ``--seeds``."""
+    return int(per_arm(args.arm_seeds, f"{arm}@{replicas}", per_arm(args.arm_seeds, arm, str(args.seeds))))
 
 
 def run_plan(args) -> None:
@@ -519,13 +544,13 @@ def summarize(args) -> dict:
         for path in sorted((Path(args.out_dir) / "runs").glob(f"{arm}_R{replicas}_lr*_s0.json")):
             r = json.loads(path.read_text())
             sweep[r["lr_mult"]] = {"lr": r["lr"], "adamw_lr": r["adamw_lr"], "final_validation": r["final_validation"]}
-        seeds = [load(args, arm, replicas, m, s) for s in range(args.seeds)]
+        seeds = [load(args, arm, replicas, m, s) for s in range(arm_seeds(args, arm, replicas))]
         tests = [r["test"] for r in seeds]
         first = seeds[0]
         entry = {
             "arm": arm, "label": ARMS[arm].label, "replicas": replicas, "best_lr_mult": m, "best_lr": first["lr"],
             "best_adamw_lr": first["adamw_lr"], "sweep": {f"{k:g}": v for k, v in sorted(sweep.items())},
-            "seeds": list(range(args.seeds)), "test_by_seed": tests, "test_mean": statistics.mean(tests),
+            "seeds": list(range(len(seeds))), "test_by_seed": tests, "test_mean": statistics.mean(tests),
             "test_std": statistics.stdev(tests) if len(tests) > 1 else float("nan"),
             "validation_by_seed": [r["final_validation"] for r in seeds],
             "curve": {step: statistics.mean(r["validation"][step] for r in seeds) for step in first["validation"]},
@@ -557,7 +582,9 @@ def summarize(args) -> dict:
         for entry in arms.values():
             if entry["arm"] == "muon":
                 continue
-            sigma = math.sqrt((muon["test_std"] ** 2 + entry["test_std"] ** 2) / 2)
+            # an arm run with one seed has no spread of its own: its σ is taken to be Muon's
+            own = entry["test_std"] if math.isfinite(entry["test_std"]) else muon["test_std"]
+            sigma = math.sqrt((muon["test_std"] ** 2 + own**2) / 2)
             margin = max(2 * sigma, 0.02)
             gap = entry["test_mean"] - muon["test_mean"]
             entry.update(sigma=sigma, margin=margin, gap_to_muon=gap, parity=bool(gap <= margin))
@@ -601,7 +628,8 @@ def table(summary: dict) -> str:
     for entry in summary["arms"].values():
         sweep = ", ".join(f"×{k}: {v['final_validation']:.4f}" for k, v in entry["sweep"].items())
         lr = f"{entry['best_lr']:g}" + (f" (AdamW groups {entry['best_adamw_lr']:g})" if entry["best_adamw_lr"] else "")
-        test = f"{entry['test_mean']:.4f} ± {entry['test_std']:.4f}"
+        spread = f" ± {entry['test_std']:.4f}" if math.isfinite(entry["test_std"]) else " (one seed)"
+        test = f"{entry['test_mean']:.4f}{spread}"
         if ARMS[entry["arm"]].sync == "demo":
             r = entry["replicas"]
             rows.append(f"| {entry['label']} | {r} | {sweep} | {lr} | {len(entry['seeds'])} | {test} | "
@@ -671,6 +699,9 @@ def main() -> None:
     parser.add_argument("--arms", default="muon,adamw,demo,demo_lowrank", help=f"comma-separated, of {', '.join(ARMS)}")
     parser.add_argument("--replicas", default="2,4", help="R for the DeMo arms (bench); the run's R (run)")
     parser.add_argument("--lr-mults", default="0.5,1,2", help="the sweep's multipliers of each arm's shipped lr")
+    parser.add_argument("--arm-replicas", default="", help='per-arm R for the DeMo arms, e.g. "demo_lowrank_r16=4"')
+    parser.add_argument("--arm-seeds", default="", help='per-arm seed counts, e.g. "demo_lowrank_r16=1;demo_lowrank@2=1"')
+    parser.add_argument("--arm-lr-mults", default="", help='per-arm sweeps, e.g. "demo_sign=1,2;demo_lowrank_r16=2"')
     parser.add_argument("--max-extend", type=int, default=2, help="×2 steps added while the best lr is at an edge")
     parser.add_argument("--seeds", type=int, default=2, help="seeds at each arm's best lr (seed 0 is the sweep's)")
     parser.add_argument("--steps", type=int, default=1000)
