@@ -455,14 +455,14 @@ def load(args, arm: str, replicas: int, lr_mult: float, seed: int) -> dict | Non
     return result
 
 
-def arm_lr_mults(args, arm: str) -> str:
-    """The sweep's multipliers for ``arm``: ``--arm-lr-mults`` where it names the arm, else ``--lr-mults``."""
-    return per_arm(args.arm_lr_mults, arm, args.lr_mults)
+def arm_lr_mults(args, arm: str, replicas: int) -> str:
+    """The sweep's multipliers: ``--arm-lr-mults`` for "arm@R" or "arm", else ``--lr-mults``."""
+    return per_arm(args.arm_lr_mults, f"{arm}@{replicas}", per_arm(args.arm_lr_mults, arm, args.lr_mults))
 
 
 def sweep_state(args, arm: str, replicas: int) -> tuple[list[tuple[float, int]], float | None]:
     """(runs still needed, best lr multiplier or None while the sweep is incomplete)."""
-    mults = sorted(float(m) for m in arm_lr_mults(args, arm).split(","))
+    mults = sorted(float(m) for m in arm_lr_mults(args, arm, replicas).split(","))
     for _ in range(args.max_extend + 1):
         missing = [(m, 0) for m in mults if load(args, arm, replicas, m, 0) is None]
         if missing:
