@@ -75,8 +75,9 @@ def parallelize_for_demo(parallelize_fn):
     return parallelize
 
 
-def replica_tokens(global_valid_tokens, job_config: Any, dims: ParallelDims):
-    """(tokens to divide the loss by, factor to multiply the returned loss by) — see the module doc."""
-    if not demo_enabled(job_config):
+def replica_tokens(global_valid_tokens, demo: bool, dims: ParallelDims):
+    """(tokens to divide the loss by, factor to multiply the returned loss by) — see the module doc.
+    ``demo``: whether the optimizer owns the replicas (0.2.2: :func:`demo_enabled`; 0.3.0: its config)."""
+    if not demo:
         return global_valid_tokens, 1.0
     return global_valid_tokens / dims.dp_replicate, 1.0 / dims.dp_replicate

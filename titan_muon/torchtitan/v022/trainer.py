@@ -21,7 +21,7 @@ from titan_muon.torchtitan import cpu
 from titan_muon.torchtitan.checkpoint import check_before_resume, checkpoint_io_error
 from titan_muon.torchtitan.config import validate_optimizer_config
 from titan_muon.torchtitan.qk_clip import record_only_stage_forwards, use_context_parallel_load_balancer
-from titan_muon.torchtitan.replicas import replica_tokens
+from titan_muon.torchtitan.replicas import demo_enabled, replica_tokens
 from titan_muon.torchtitan.v022.pipeline import check_pipeline_loss, set_global_valid_tokens
 
 
@@ -60,7 +60,7 @@ class Trainer(TorchTitanTrainer):
 
     def forward_backward_step(self, *, input_dict, labels, global_valid_tokens):
         # With DeMo every replica's gradient is its own: divided by the tokens / R (replicas.py).
-        tokens, loss_factor = replica_tokens(global_valid_tokens, self.job_config, self.parallel_dims)
+        tokens, loss_factor = replica_tokens(global_valid_tokens, demo_enabled(self.job_config), self.parallel_dims)
         set_global_valid_tokens(self.loss_fn, tokens)  # for the pipeline schedule's backward
         loss = super().forward_backward_step(input_dict=input_dict, labels=labels, global_valid_tokens=tokens)
         placeholder = self.parallel_dims.pp_enabled and not self.pp_has_last_stage  # -1 on other stages

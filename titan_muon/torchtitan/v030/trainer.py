@@ -39,7 +39,11 @@ from titan_muon.torchtitan.qk_clip import (
     refuse_context_parallel_030,
     use_context_parallel_load_balancer,
 )
-from titan_muon.torchtitan.replicas import check_replicas, without_replicas
+from titan_muon.torchtitan.replicas import (
+    check_replicas,
+    replica_tokens,
+    without_replicas,
+)
 from titan_muon.torchtitan.v030 import cpu
 from titan_muon.torchtitan.v030.optimizer import (
     MuonOptimizersContainer,
@@ -106,14 +110,11 @@ class MuonTrainer(Trainer):
             record_only_stage_forwards(self.pp_schedule, getattr(self.optimizers, "qk_clips", []))
 
     def forward_backward_step(self, *, input_dict, labels, global_valid_tokens):
-        if not self.demo:
-            return super().forward_backward_step(input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens)
-        # Each replica's gradient is its own mean: its loss sum over the tokens / R (titan_muon.torchtitan.replicas);
-        # the returned loss is scaled back to torchtitan's sum / all tokens for logging.
-        replicas = self.parallel_dims.dp_replicate
-        loss = super().forward_backward_step(input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens / replicas)
+        # With DeMo every replica's gradient is its own: divided by the tokens / R (replicas.py).
+        tokens, loss_factor = replica_tokens(global_valid_tokens, self.demo, self.parallel_dims)
+        loss = super().forward_backward_step(input_dict=input_dict, labels=labels, global_valid_tokens=tokens)
         placeholder = self.parallel_dims.pp_enabled and not self.pp_has_last_stage  # -1 on the other stages
-        return loss if placeholder else loss / replicas
+        return loss if loss_factor == 1.0 or placeholder else loss * loss_factor
 
     def train(self):
         if isinstance(self.checkpointer, CheckpointManager):  # DCP; not the torch_checkpointing backend
