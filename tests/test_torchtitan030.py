@@ -855,16 +855,22 @@ def copy_layout_checkpoint(source: Path, workdir: Path, dump: str) -> Path:
     return target
 
 
+def assert_resume_continues_exactly(straight: Path, workdir, layouts, dump: str, flags: list[str], tag: str) -> None:
+    """A run resumed from ``straight``'s step-LAYOUT_CHECKPOINT checkpoint logs its later steps' loss,
+    gradient norm and ``tag`` bit for bit."""
+    copy_layout_checkpoint(straight, workdir, dump)
+    resumed = layout_run(workdir, layouts, dump, *flags, saving=True)
+    later = range(LAYOUT_CHECKPOINT + 1, LAYOUT_STEPS + 1)
+    for name in ("loss_metrics/global_avg_loss", "grad_norm", tag):
+        expected = read_scalars(str(straight), name)
+        assert read_scalars(str(resumed), name) == {step: expected[step] for step in later}, name
+
+
 def test_pipeline_parallel_resumes_exactly(pipeline_run, workdir, layouts):
     """Each stage loads its own parameters' state from the checkpoint of both (the pre-resume check
     compares only those) and continues bit for bit, MuonClip included."""
     dump, _ = pipeline_run
-    copy_layout_checkpoint(dump, workdir, "pp2_fsdp2_resumed")
-    resumed = layout_run(workdir, layouts, "pp2_fsdp2_resumed", *PIPELINE, saving=True)
-    later = range(LAYOUT_CHECKPOINT + 1, LAYOUT_STEPS + 1)
-    for tag in ("loss_metrics/global_avg_loss", "grad_norm", "qk_clip/max_logit"):
-        expected = read_scalars(str(dump), tag)
-        assert read_scalars(str(resumed), tag) == {step: expected[step] for step in later}, tag
+    assert_resume_continues_exactly(dump, workdir, layouts, "pp2_fsdp2_resumed", PIPELINE, "qk_clip/max_logit")
 
 
 def test_pipeline_checkpoint_reshards_to_fsdp_on_2_ranks(pipeline_run, fsdp_run, workdir, layouts):
@@ -920,12 +926,7 @@ def test_demo_replicas_each_get_their_own_mean_gradient(demo_run, fsdp_run):
 def test_demo_resumes_exactly(demo_run, workdir, layouts):
     """Each replica's own momenta and error feedback are saved as its slice of a tensor over the replicas
     and loaded back as its own: the resumed run logs steps 3 and 4 bit for bit."""
-    copy_layout_checkpoint(demo_run, workdir, "demo_2x2_resumed")
-    resumed = layout_run(workdir, layouts, "demo_2x2_resumed", *DEMO, saving=True)
-    later = range(LAYOUT_CHECKPOINT + 1, LAYOUT_STEPS + 1)
-    for tag in ("loss_metrics/global_avg_loss", "grad_norm", "demo/total_bytes_sent"):
-        expected = read_scalars(str(demo_run), tag)
-        assert read_scalars(str(resumed), tag) == {step: expected[step] for step in later}, tag
+    assert_resume_continues_exactly(demo_run, workdir, layouts, "demo_2x2_resumed", DEMO, "demo/total_bytes_sent")
 
 
 def test_checkpoint_of_another_optimizer_setup_is_refused_before_loading(pipeline_run, workdir, layouts):
