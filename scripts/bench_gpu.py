@@ -6,10 +6,12 @@
 Rows, all timed with CUDA events after warm-up, medians of repeats, side by side in one run:
   * torch.mm bf16 TFLOP/s on each Newton-Schulz shape (the ceiling), and orthogonalize()'s
     TFLOP/s on batches of the same shape (its share of that ceiling);
-  * titan_muon.Muon.step (element-wise passes eager and compiled) vs torch.optim.AdamW.step
-    (default and fused kernels) on the same Llama-style parameters (one process: no
-    communication): step time, the NS time inside Muon's step, the rest ("beyond NS") against
-    fused AdamW's whole step, and the peak memory each step allocates on top of what it holds.
+  * titan_muon.Muon.step (element-wise passes eager and compiled; fp16 Gram NS, what ns_dtype
+    "auto" runs on CUDA, and bf16 standard NS; the atomic and the streaming commit) vs
+    torch.optim.AdamW.step (default and fused kernels) on the same Llama-style parameters (one
+    process: no communication): step time, the NS time inside Muon's step, the rest ("beyond
+    NS") against fused AdamW's whole step, and the peak memory each step allocates on top of
+    what it holds. Rows print as they are measured.
 Prints a markdown section for docs/performance.md.
 """
 
@@ -63,10 +65,11 @@ def main() -> None:
     device = torch.device(args.device)
     shapes = llama_shapes(args.dim, args.hidden, args.kv)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    lines = [f"### {name}, torch {torch.__version__}, {datetime.date.today()}", "",
-             f"`python scripts/bench_gpu.py --dim {args.dim} --hidden {args.hidden} --kv {args.kv} --layers {args.layers}`", ""]  # fmt: skip
+    say = lambda line: print(line, flush=True)  # row by row: a time-boxed GPU run keeps what it measured
+    say(f"### {name}, torch {torch.__version__}, {datetime.date.today()}\n")
+    say(f"`python scripts/bench_gpu.py --dim {args.dim} --hidden {args.hidden} --kv {args.kv} --layers {args.layers}`\n")
 
-    lines += ["| shape | batch | torch.mm bf16 TFLOP/s | orthogonalize bf16 TFLOP/s | share |", "|---|---|---|---|---|"]
+    say("| shape | batch | torch.mm bf16 TFLOP/s | orthogonalize bf16 TFLOP/s | share |\n|---|---|---|---|---|")
     for shape in sorted(set(shapes.values())):
         m, n = min(shape), max(shape)
         a, b = torch.randn(m, n, device=device, dtype=torch.bfloat16), torch.randn(n, m, device=device, dtype=torch.bfloat16)
@@ -76,7 +79,7 @@ def main() -> None:
         x = torch.randn(batch, *shape, device=device)
         ns_ms = timed(lambda: orthogonalize(x, 5, "keller", torch.bfloat16), device, args.repeats)
         ns_tflops = batch * newton_schulz_flops(*shape, 5) / ns_ms / 1e9
-        lines.append(f"| {shape[0]}×{shape[1]} | {batch} | {mm_tflops:.0f} | {ns_tflops:.0f} | {ns_tflops / mm_tflops:.0%} |")
+        say(f"| {shape[0]}×{shape[1]} | {batch} | {mm_tflops:.0f} | {ns_tflops:.0f} | {ns_tflops / mm_tflops:.0%} |")
 
     def params():
         gen = torch.Generator(device=device).manual_seed(0)
@@ -98,14 +101,27 @@ def main() -> None:
         torch.cuda.synchronize(device)
         return (torch.cuda.max_memory_allocated(device) - before) / 2**20
 
-    adamw_params = with_grads(params())
-    adamw = torch.optim.AdamW(adamw_params, lr=1e-3)
-    fused_params = with_grads(params())
-    fused_adamw = torch.optim.AdamW(fused_params, lr=1e-3, fused=device.type == "cuda")
-    rows = [("torch.optim.AdamW (default kernel)", timed(adamw.step, device, args.repeats), None, peak_mib(adamw.step)),
-            ("torch.optim.AdamW (fused)", timed(fused_adamw.step, device, args.repeats), None, peak_mib(fused_adamw.step))]  # fmt: skip
-    for compiled in (False, True):  # the element-wise passes eager (several kernels each) or compiled (one pass each)
-        muon = Muon(with_grads(params()), lr=0.02, adjust_lr_fn="match_rms_adamw", compile_elementwise=compiled)  # ns_dtype "auto"
+    adamw = torch.optim.AdamW(with_grads(params()), lr=1e-3)
+    fused_adamw = torch.optim.AdamW(with_grads(params()), lr=1e-3, fused=device.type == "cuda")
+    say("\n| optimizer step (one device) | ms | NS ms | beyond NS ms | beyond NS / fused AdamW step | peak extra MiB |\n|---|---|---|---|---|---|")
+    fused_ms = None
+
+    def row(label, step_ms, ns_ms, peak):
+        beyond = step_ms - (ns_ms or 0.0)
+        say(f"| {label} | {step_ms:.1f} | {'' if ns_ms is None else f'{ns_ms:.1f}'} | {beyond:.1f} | {beyond / fused_ms:.2f}× | {peak:.0f} |")
+
+    fused_ms = timed(fused_adamw.step, device, args.repeats)
+    row("torch.optim.AdamW (default kernel)", timed(adamw.step, device, args.repeats), None, peak_mib(adamw.step))
+    row("torch.optim.AdamW (fused)", fused_ms, None, peak_mib(fused_adamw.step))
+    del adamw, fused_adamw
+    variants = [  # (label, Muon options); ns_dtype "auto": fp16 Gram NS on rectangular matrices on CUDA
+        ("element-wise passes eager", dict(compile_elementwise=False)),
+        ("element-wise passes compiled", dict(compile_elementwise=True)),
+        ("compiled, bf16 standard NS everywhere", dict(compile_elementwise=True, ns_algorithm="standard")),
+        ("compiled, streaming commit", dict(compile_elementwise=True, commit="streaming")),
+    ]
+    for label, options in variants:
+        muon = Muon(with_grads(params()), lr=0.02, adjust_lr_fn="match_rms_adamw", **options)
         ns_times = []
 
         def step_and_record(muon=muon, ns_times=ns_times):
@@ -114,17 +130,8 @@ def main() -> None:
 
         step_ms = timed(muon.step, device, args.repeats)
         timed(step_and_record, device, args.repeats, warmup=0)
-        ns_ms = statistics.median(ns_times)
-        rows.append((f"titan_muon.Muon, element-wise passes {'compiled' if compiled else 'eager'}", step_ms, ns_ms, peak_mib(muon.step)))
-    fused_ms = rows[1][1]
-    lines += ["", "| optimizer step (one device) | ms | NS ms | beyond NS ms | beyond NS / fused AdamW step | peak extra MiB |",
-              "|---|---|---|---|---|---|"]  # fmt: skip
-    for label, step_ms, ns_ms, peak in rows:
-        beyond = step_ms - (ns_ms or 0.0)
-        lines.append(f"| {label} | {step_ms:.1f} | {'' if ns_ms is None else f'{ns_ms:.1f}'} | {beyond:.1f} | "
-                     f"{beyond / fused_ms:.2f}× | {peak:.0f} |")  # fmt: skip
-    print("\n".join(lines))
-
+        row(f"titan_muon.Muon, {label}", step_ms, statistics.median(ns_times), peak_mib(muon.step))
+        del muon, step_and_record
 
 if __name__ == "__main__":
     main()
