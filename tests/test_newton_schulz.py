@@ -12,6 +12,7 @@ from titan_muon.algorithm.newton_schulz import (
     GRAM_MAX_RUN,
     GRAM_MIN_ASPECT,
     GRAM_MIN_SIDE,
+    GRAM_MIN_SIDE_ACCELERATOR,
     NS_ALGORITHMS,
     SYMMETRIC_KERNEL_MIN,
     NSPrecision,
@@ -228,7 +229,7 @@ def test_flops_match_counted_matmuls(shape, steps):
         with FlopCounterMode(display=False) as counter:
             orthogonalize(torch.empty(*shape, device="meta"), steps, algorithm=algorithm, dtype=dtype)
         batch = shape[0] if len(shape) == 3 else 1
-        assert counter.get_total_flops() == batch * newton_schulz_flops(*shape[-2:], steps, algorithm, dtype), algorithm
+        assert counter.get_total_flops() == batch * newton_schulz_flops(*shape[-2:], steps, algorithm, dtype, "meta"), algorithm
 
 
 def test_gram_flop_ratios():
@@ -258,12 +259,16 @@ def test_resolve_algorithm():
     mlp, attention = (1024, 3584), (1024, 1024)
     assert resolve_algorithm(*mlp, torch.float32, "cpu") == resolve_algorithm(*mlp[::-1], torch.float32, "cpu") == "gram"
     assert resolve_algorithm(*attention, torch.float32, "cpu") == resolve_algorithm(*attention, torch.bfloat16, "cuda") == "standard"
-    assert resolve_algorithm(*mlp, torch.float32, "meta") == "gram"
-    # never Gram in bf16, whatever the shape (its error grows with the short side: resolve_algorithm);
-    # in fp16 the fp32 shape rule
+    # never Gram in bf16, whatever the shape (its error grows with the short side: resolve_algorithm)
     for shape in (mlp, (4096, 14336), (7168, 2048)):
         assert resolve_algorithm(*shape, torch.bfloat16, "cuda") == resolve_algorithm(*shape, torch.bfloat16, "cpu") == "standard"
-        assert resolve_algorithm(*shape, HALF, "cuda") == resolve_algorithm(*shape, torch.float32, "cpu") == "gram"
+    # GPUs (and meta, standing in for them): Gram from a short side of 2048 on (measured on an H100),
+    # so Llama-3 8B's MLP and DeepSeek-V3's experts, not its GQA k/v (1024 x 4096) or Qwen3's experts
+    for shape in ((4096, 14336), (14336, 4096), (7168, 2048), (GRAM_MIN_SIDE_ACCELERATOR, math.ceil(GRAM_MIN_ASPECT * GRAM_MIN_SIDE_ACCELERATOR))):
+        assert resolve_algorithm(*shape, HALF, "cuda") == resolve_algorithm(*shape, torch.float32, "meta") == "gram"
+    for shape in (mlp, (1024, 4096), (768, 2048), (GRAM_MIN_SIDE_ACCELERATOR - 1, 4 * GRAM_MIN_SIDE_ACCELERATOR)):
+        assert resolve_algorithm(*shape, HALF, "cuda") == resolve_algorithm(*shape, torch.float32, "meta") == "standard"
+        assert resolve_algorithm(*shape, torch.float32, "cpu") == "gram"
     assert resolve_algorithm(4096, 4096, HALF, "cuda") == "standard"
     assert resolve_algorithm(GRAM_MIN_SIDE - 1, 8 * GRAM_MIN_SIDE, torch.float32, "cpu") == "standard"
     side = 256
@@ -368,6 +373,7 @@ def test_fp16_refuses_coefficients_that_could_overflow():
 # The device type is a string in the rule, so the CUDA branch runs here: an Orthogonalizer built
 # for torch.device("cuda") never touches the device until it is given tensors.
 MLP, SQUARE, SMALL = (1024, 3584), (1024, 1024), (64, 256)
+LLAMA_8B_MLP = (4096, 14336)  # Gram on GPUs too (GRAM_MIN_SIDE_ACCELERATOR)
 
 
 def _group(**overrides):
@@ -380,17 +386,17 @@ def test_auto_precision_per_device_and_shape():
     assert auto_cuda == NSPrecision(torch.bfloat16, HALF) and resolve_ns_precision("auto", cpu) == NSPrecision(torch.float32, torch.float32)
     plan = lambda setting, device, shape, **g: Orthogonalizer(lambda: [], resolve_ns_precision(setting, device), device).plan(_group(**g), *shape)
     # auto on CUDA: fp16 Gram where the shape rule picks Gram, standard bf16 elsewhere
-    assert plan("auto", cuda, MLP) == plan("auto", cuda, MLP[::-1]) == ("gram", HALF)
-    assert plan("auto", cuda, SQUARE) == plan("auto", cuda, SMALL) == ("standard", torch.bfloat16)
+    assert plan("auto", cuda, LLAMA_8B_MLP) == plan("auto", cuda, LLAMA_8B_MLP[::-1]) == ("gram", HALF)
+    assert plan("auto", cuda, SQUARE) == plan("auto", cuda, SMALL) == plan("auto", cuda, MLP) == ("standard", torch.bfloat16)
     assert plan("auto", cuda, SQUARE, ns_algorithm="gram") == ("gram", HALF)  # forced Gram: fp16, never bf16
     assert plan("auto", cuda, MLP, ns_algorithm="standard") == ("standard", torch.bfloat16)
     # CPU keeps fp32 and today's rule
     assert plan("auto", cpu, MLP) == ("gram", torch.float32) and plan("auto", cpu, SQUARE) == ("standard", torch.float32)
     # explicit dtypes: bf16 as before (never Gram under auto), fp16 everywhere
     assert plan("bf16", cuda, MLP) == ("standard", torch.bfloat16) and plan("bf16", cuda, MLP, ns_algorithm="gram") == ("gram", torch.bfloat16)
-    assert plan("fp16", cuda, MLP) == ("gram", HALF) and plan("fp16", cuda, SQUARE) == ("standard", HALF)
+    assert plan("fp16", cuda, LLAMA_8B_MLP) == ("gram", HALF) and plan("fp16", cuda, SQUARE) == plan("fp16", cuda, MLP) == ("standard", HALF)
     # a schedule that could overflow fp16 runs in bf16 (same width, fp32's range)
-    assert plan("auto", cuda, MLP, ns_coefficients=(400.0, -900.0, 500.0)) == ("gram", torch.bfloat16)
+    assert plan("auto", cuda, LLAMA_8B_MLP, ns_coefficients=(400.0, -900.0, 500.0)) == ("gram", torch.bfloat16)
     # the wire: fp32 with fp32 NS, bf16 otherwise (unscaled matrices need bf16's range)
     assert [auto_comm_dtype(resolve_ns_precision(s, cuda)) for s in ("auto", "fp32", "bf16", "fp16")] == [
         torch.bfloat16, torch.float32, torch.bfloat16, torch.bfloat16]
@@ -405,7 +411,7 @@ class _Work:
         self.update_sq = []
 
 
-@pytest.mark.parametrize("shape", [MLP, SQUARE, (3, 256, 896)])
+@pytest.mark.parametrize("shape", [MLP, SQUARE, (3, 256, 896), (2048, 5120), (2, 7680, 3072)])
 def test_flops_match_what_the_orthogonalizer_runs_for_cuda(shape):
     """The plan balances owners on Orthogonalizer.flops and muon/ns_flops adds what each call ran:
     both must equal the FLOPs of the algorithm and dtype the CUDA rule picks, counted on meta."""

@@ -61,11 +61,28 @@ GRAM_MAX_RUN = 3
 HALF_GRAM_MAX_RUN = 2
 GRAM_MIN_ASPECT = 2.5
 GRAM_MIN_SIDE = 128
+# On GPUs (and on meta, which stands in for them) Gram NS's extra, smaller GEMMs and element-wise
+# passes cost more than its saved FLOPs until the short side is large. Measured on an H100
+# (scripts/ns_gram_crossover.py, docs/newton_schulz.md, 2026-11-27): fp16 Gram against bf16
+# standard NS at aspect 2.5-5 is 0.72-0.93x the time from a short side of 2048 on, batches of 1
+# and 8 alike; at 1024 it is 0.77-0.92x in batches of 8 but 1.6-1.7x alone (launch-bound).
+GRAM_MIN_SIDE_ACCELERATOR = 2048
 # From this many rows on, a product known to be symmetric is computed as three half-size blocks
 # (upper triangle of a 2x2 block split) and mirrored: 3/4 of the multiply-adds (torch exposes no
-# SYRK/SYMM). Measured on CPU, whole NS: 0.91x the time at 512 rows, 0.93x at 384, a wash at 256;
-# below 512 the half-size GEMMs would also run further from peak on GPUs.
+# SYRK/SYMM). Measured on CPU, whole NS: 0.91x the time at 512 rows, 0.93x at 384, a wash at 256.
+# On an H100 the split pays from 3072 rows in batches of 8 (0.88 vs 0.95 of standard NS's time)
+# and costs up to 1.7x below 2048 (three small GEMMs and a mirror copy instead of one GEMM).
 SYMMETRIC_SPLIT_MIN = 512
+SYMMETRIC_SPLIT_MIN_ACCELERATOR = 3072
+
+
+def _on_accelerator(device_type: str) -> bool:
+    return device_type != "cpu"
+
+
+def symmetric_split_min(device_type: str) -> int:
+    """Rows from which a symmetric product is split into three blocks on this device type."""
+    return SYMMETRIC_SPLIT_MIN_ACCELERATOR if _on_accelerator(device_type) else SYMMETRIC_SPLIT_MIN
 
 
 def coefficient_schedule(method: str | tuple[float, float, float], steps: int) -> list[tuple[float, float, float]]:
@@ -107,20 +124,24 @@ def gram_segments(steps: int, dtype: torch.dtype = torch.float32) -> tuple[int, 
     return (short,) * (count - extra) + (short + 1,) * extra
 
 
-def newton_schulz_flops(rows: int, cols: int, steps: int, algorithm: str = "standard", dtype: torch.dtype = torch.float32) -> int:
+def newton_schulz_flops(rows: int, cols: int, steps: int, algorithm: str = "standard", dtype: torch.dtype = torch.float32,
+                        device_type: str = "cpu") -> int:  # fmt: skip
     """Matmul FLOPs of `steps` iterations on one (rows, cols) matrix, m = min side, n = max side,
-    in compute dtype `dtype` (which sets Gram NS's runs: gram_segments).
+    in compute dtype `dtype` (which sets Gram NS's runs: gram_segments) on `device_type` (which
+    sets where the symmetric products split: symmetric_split_min).
 
     standard: 4m²n + 2m³ per step (X Xᵀ, its square, and the product with X).
     gram: per run of L steps, 4m²n (X Xᵀ, then Q X) plus 2m³·(4L − 3) (per step one square of the
-    Gram matrix, L − 1 products into Q, 2(L − 1) halves of Gram updates); from SYMMETRIC_SPLIT_MIN
-    rows on, the symmetric ones (X Xᵀ, squares, Gram updates) cost 3/4 of that.
+    Gram matrix, L − 1 products into Q, 2(L − 1) halves of Gram updates); from
+    symmetric_split_min(device_type) rows on, the symmetric ones (X Xᵀ, squares, Gram updates)
+    cost 3/4 of that.
     """
     m, n = min(rows, cols), max(rows, cols)
     if algorithm == "standard":
         return steps * (4 * m * m * n + 2 * m * m * m)
     if algorithm == "gram":
-        square, gram_matrix, apply = _symmetric_flops(m, m), _symmetric_flops(m, n), 2 * m * m * n
+        split = symmetric_split_min(device_type)
+        square, gram_matrix, apply = _symmetric_flops(m, m, split), _symmetric_flops(m, n, split), 2 * m * m * n
         return sum(gram_matrix + apply + (3 * length - 2) * square + (length - 1) * 2 * m**3 for length in gram_segments(steps, dtype))
     raise ValueError(f"newton_schulz_flops needs a resolved algorithm ('standard' or 'gram'), got {algorithm!r}")
 
@@ -128,8 +149,8 @@ def newton_schulz_flops(rows: int, cols: int, steps: int, algorithm: str = "stan
 def resolve_algorithm(rows: int, cols: int, dtype: torch.dtype, device_type: str) -> str:
     """What algorithm="auto" runs on a (rows, cols) matrix in `dtype`: "gram" where it is both
     faster and as accurate — in fp32 or fp16, when the long side is at least GRAM_MIN_ASPECT times
-    the short one and the short side at least GRAM_MIN_SIDE (docs/newton_schulz.md) — and
-    "standard" otherwise. The rule is the same on every device type (GPU crossover unmeasured).
+    the short one and the short side at least GRAM_MIN_SIDE on CPU, GRAM_MIN_SIDE_ACCELERATOR on
+    GPUs and meta (both measured: docs/newton_schulz.md) — and "standard" otherwise.
 
     Never Gram in bf16: the Gram matrix squares the condition number, and in bf16 its error
     grows with the short side. On inputs whose column scales span 1e4–1e6, bf16 Gram NS let the
@@ -141,7 +162,8 @@ def resolve_algorithm(rows: int, cols: int, dtype: torch.dtype, device_type: str
     short, long = min(rows, cols), max(rows, cols)
     if dtype not in GRAM_DTYPES:
         return "standard"
-    return "gram" if short >= GRAM_MIN_SIDE and long >= GRAM_MIN_ASPECT * short else "standard"
+    min_side = GRAM_MIN_SIDE_ACCELERATOR if _on_accelerator(device_type) else GRAM_MIN_SIDE
+    return "gram" if short >= min_side and long >= GRAM_MIN_ASPECT * short else "standard"
 
 
 class NSPrecision(NamedTuple):
@@ -257,7 +279,7 @@ def _symmetric_addmm(bias: Tensor | None, m1: Tensor, m2: Tensor, beta: float = 
     if kernel is not None:
         return kernel(m1, m2, C=bias, alpha=float(alpha), beta=float(beta) if bias is not None else 1.0)
     size = m1.size(-2)
-    if size < SYMMETRIC_SPLIT_MIN:
+    if size < symmetric_split_min(m1.device.type):
         return m1 @ m2 if bias is None else _addmm(bias, m1, m2, beta, alpha)
     h = size // 2
     # The three blocks are written in place into the result (GEMMs take an output with a leading
@@ -280,9 +302,9 @@ def _symmetric_addmm(bias: Tensor | None, m1: Tensor, m2: Tensor, beta: float = 
     return out
 
 
-def _symmetric_flops(rows: int, inner: int) -> int:
+def _symmetric_flops(rows: int, inner: int, split_min: int) -> int:
     """FLOPs of _symmetric_addmm for a (rows, inner) @ (inner, rows) product."""
-    if rows < SYMMETRIC_SPLIT_MIN:
+    if rows < split_min:
         return 2 * rows * rows * inner
     h, rest = rows // 2, rows - rows // 2
     return 2 * inner * (h * h + h * rest + rest * rest)
@@ -321,7 +343,7 @@ def gram_iterations(x: Tensor, schedule: list[tuple[float, float, float]], segme
     run's end, where the next run recomputes G = X Xᵀ from it (the restart). P itself is only
     formed once per run (Q = P at its first step); every other product with P is a·Y + B·Y in
     one addmm, so a bf16 P never rounds B away against the much larger a on its diagonal.
-    From SYMMETRIC_SPLIT_MIN rows on, the symmetric products (X Xᵀ, G², and the Gram update,
+    From symmetric_split_min rows on, the symmetric products (X Xᵀ, G², and the Gram update,
     whose result is X Xᵀ of the next X) compute three of their four 2×2 blocks. Q ← P Q is not
     split: P and Q commute only up to rounding, and mirroring one triangle of their product
     breaks Q X = P (Q_prev X) (measured: 10x the rounding error on low-rank fp32 inputs).

@@ -45,7 +45,7 @@ class Orthogonalizer:
 
     def flops(self, group: dict, rows: int, cols: int) -> int:
         """What an owner spends on one (rows, cols) matrix of `group`: the plan balances owners on this."""
-        return newton_schulz_flops(rows, cols, group["ns_steps"], *self.plan(group, rows, cols))
+        return newton_schulz_flops(rows, cols, group["ns_steps"], *self.plan(group, rows, cols), self.device.type)
 
     def workspace_bytes(self, key: tuple, matrices: Tensor) -> int:
         """What orthogonalizing and scaling the batch `matrices` allocates at its peak
@@ -65,7 +65,7 @@ class Orthogonalizer:
             scaled = orthogonalize(matrices, steps, group["ns_coefficients"], dtype, group["ns_eps"], algorithm,
                                    scale=update_scale(group["adjust_lr_fn"], *shape), contiguous=True)  # fmt: skip
         timer.stop("ns")
-        work.ns_flops += matrices.shape[0] * newton_schulz_flops(*shape, steps, algorithm, dtype)
+        work.ns_flops += matrices.shape[0] * newton_schulz_flops(*shape, steps, algorithm, dtype, matrices.device.type)
         with phase("update_norm"):
             work.update_sq.append(torch.linalg.vector_norm(scaled, dtype=torch.float32).square() * group["lr"] ** 2)
         work.update_numel += scaled.numel()
