@@ -5,8 +5,8 @@
     python scripts/simulate_scale.py --large       # adds 70B at W = 256 and 405B at W = 128 (tens of minutes)
 
 Every rank's step is run by titan_muon itself on ``meta`` tensors over torch's fake process group,
-with what a CUDA run gets by default (``comm_dtype`` and ``ns_dtype`` "auto" resolve to bf16 on CUDA,
-``ns_algorithm`` "auto" then picks standard Newton–Schulz, fp32 momentum, no overlap, the shipped
+with what a CUDA run gets by default (``comm_dtype`` "auto" resolves to bf16 on CUDA, ``ns_algorithm``
+"auto" to fp16 Gram NS on large rectangular matrices and standard bf16 NS elsewhere, fp32 momentum, no overlap, the shipped
 exchange memory and window), and the traces are replayed with per-rank streams
 (``scripts/step_trace.py``, ``scripts/replay.py``). The bound of a case is what no schedule of its
 work can beat: per rank the longest of its compute stream's work, its bytes on the links and its
@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
+import math
 import multiprocessing
 import platform
 import subprocess
@@ -70,7 +71,8 @@ class Case:
     hardware: str = "H100"
     ep: int = 1  # expert parallel, carved out of the data-parallel ranks
     tp: int = 1  # tensor parallel, innermost (within a node)
-    pp: int = 1  # pipeline stages: only the busiest stage's ranks are traced
+    pp: int = 1  # pipeline stages: only one stage's ranks are traced, the busiest unless `only_stage`
+    only_stage: int | None = None
 
     @property
     def parallelism(self) -> Parallelism:
@@ -80,7 +82,9 @@ class Case:
 
     @property
     def stage(self) -> int:
-        """The pipeline stage traced: the one with the most Newton–Schulz FLOPs."""
+        """The pipeline stage traced: `only_stage`, else the one with the most Newton–Schulz FLOPs."""
+        if self.only_stage is not None:
+            return self.only_stage
         stages = [stage_params(models()[self.model], self.pp, s)[0] for s in range(self.pp)]
         return max(range(self.pp), key=lambda s: (ns_flops_of(stages[s]), -s))
 
@@ -103,6 +107,7 @@ DEFAULT = [
     Case("Llama-3 70B", 64, tp=8),
     Case("Qwen3-30B-A3B", 8, hardware="GB300", ep=8),
     Case("Kimi-K2 1T", 256, hardware="GB300 (64/rack)", ep=64, pp=4),
+    Case("Kimi-K2 1T", 256, hardware="GB300 (64/rack)", ep=64, pp=4, only_stage=0),  # never hidden (pipeline_exposed_s)
 ]
 LARGE = [Case("Llama-3 70B", 256), Case("Llama-3 405B", 128)]
 HARDWARE = {"H100": H100, "GB300": GB300, "GB300 (64/rack)": GB300_RACKS_OF_64}
@@ -298,6 +303,37 @@ def megatron_extra_s(ns_flops: float, gpus: int, with_ns: float, without_ns: flo
 
 
 GB300_PEAK_BF16 = 2.5e15  # dense, per GPU (NVIDIA GB300 NVL72 specifications)
+# Kimi K2's pipeline microbatch in NVIDIA's run: one 4,096-token sequence (an assumption: NVIDIA gives
+# the layout and TFLOP/s, not the microbatch), through each stage at the 1,029 TFLOP/s per GPU it
+# reports without NS.
+KIMI_MICROBATCH_TOKENS = 4096
+KIMI_MODEL_FLOPS_PER_GPU = 1029e12
+
+
+def stage_forward_s(model: Model, pp: int, stage: int, tokens: int, flops_per_gpu: float) -> float:
+    """One microbatch's forward through a stage: 2 FLOPs per active parameter per token (routed
+    experts count top-8 of their number, as in DeepSeek-V3 and Kimi K2; attention only adds)."""
+    muon, _ = stage_params(model, pp, stage)
+    active = sum(math.prod(shape) * (8 / shape[0] if len(shape) == 3 else 1) for _, shape in muon)
+    return 2 * active * tokens / flops_per_gpu
+
+
+def pipeline_exposed_s(steps: dict[int, float], forward_s: Sequence[float], stages: int, busiest: int) -> float:
+    """What a pipeline job waits for after its stages' optimizer steps: stage s gets the next
+    step's first microbatch after stages 0 … s − 1 each ran one forward, so its step hides that
+    long. `steps` holds the replayed stages' steps; a stage not replayed after the busiest one is
+    counted at the busiest one's step (it has at most as many NS FLOPs), earlier ones must be
+    replayed."""
+    hidden = [sum(forward_s[:s]) for s in range(stages)]
+    exposed = []
+    for s in range(stages):
+        if s in steps:
+            exposed.append(steps[s] - hidden[s])
+        elif s > busiest:
+            exposed.append(steps[busiest] - hidden[s])
+        else:
+            raise ValueError(f"pipeline stage {s} comes before the busiest one ({busiest}) and was not replayed")
+    return max(exposed)
 
 
 def calibration(rows: Sequence[Row]) -> list[str]:
@@ -320,31 +356,40 @@ def calibration(rows: Sequence[Row]) -> list[str]:
             "Megatron runs NS layer-wise on its distributed optimizer's owners with the same per-GPU NS FLOPs; its "
             "figure also holds kernel efficiency, clocks and whatever part of its step it overlaps |"
         )
-    kimi = next((r for r in rows if r.case.model == "Kimi-K2 1T"), None)
+    kimi_rows = {r.case.stage: r for r in rows if r.case.model == "Kimi-K2 1T"}
+    kimi = next((r for r in rows if r.case.model == "Kimi-K2 1T" and r.case.only_stage is None), None)
     model = models()["Kimi-K2 1T"]
     ns_total = ns_flops_of(model.params)
     published = megatron_extra_s(ns_total, 256, 1080, 1029, 1051)
     setting = "| Kimi K2, 256 GB300, PP4 DP64 EP64 (NVIDIA Megatron Core): Muon's extra time per step over AdamW | "
-    implied = ns_total / 256 / published  # the NS rate that would fit the published time with nothing else added
-    if kimi is None:
+    if kimi is None or 0 not in kimi_rows:
         lines.append(setting + f"{ms(published)} ms (same derivation) | not in this run | — | — |")
         return lines
-    modelled = kimi.step_s - kimi.adamw_s
-    ns, compute = kimi.busiest("newton_schulz_s"), kimi.busiest("compute_s")
-    stage_ns = [ns_flops_of(stage_params(model, 4, s)[0]) for s in range(4)]
+    forward = [stage_forward_s(model, 4, s, KIMI_MICROBATCH_TOKENS, KIMI_MODEL_FLOPS_PER_GPU) for s in range(4)]
+    exposed = {name: pipeline_exposed_s({s: getattr(r, name) for s, r in kimi_rows.items()}, forward, 4, kimi.case.stage)
+               for name in ("step_s", "adamw_s")}  # fmt: skip
+    modelled = exposed["step_s"] - exposed["adamw_s"]
+    whole = kimi.step_s - kimi.adamw_s
+    stage0 = kimi_rows[0]
+    ns, compute = stage0.busiest("newton_schulz_s"), stage0.busiest("compute_s")
+    stage0_ns = ns_flops_of(stage_params(model, 4, 0)[0]) / 64  # per GPU: standard 5-step NS, as NVIDIA counts it
     lines.append(
-        setting + f"{ms(published)} ms (same derivation) | {ms(modelled)} ms (titan_muon, the busiest stage's 64 "
-        f"ranks, stage {kimi.case.stage}: {ms(kimi.step_s)} ms step − {ms(kimi.adamw_s)} ms AdamW-only) | "
-        f"{modelled / published:.2f} | NS alone takes {ms(ns)} ms on the busiest rank at the model's rate; the published "
-        f"figure, were it NS and nothing else, would need NS at {implied / 1e15:.2f} PFLOP/s per GPU "
-        f"({100 * implied / GB300_PEAK_BF16:.0f} % of GB300's dense bf16 peak). So Megatron hides part of its step, does "
-        "fewer NS FLOPs than it counts (its SYRK kernels compute the symmetric products at half cost), or the 2 % gap "
-        "between 1,029 and 1,051 TFLOP/s is partly noise (0.5 % of either moves the implied time by about 25 %). Even "
-        "when the gradient-norm all-reduce lines the stages up before their steps, stage s starts the next forward s "
-        "microbatch forwards after stage 0, and its step can run that much longer unseen: only stage 0's step "
-        f"({100 * stage_ns[0] / stage_ns[kimi.case.stage]:.0f} % of the traced stage's NS: 14 MoE layers, the dense layer "
-        "and the embedding) is fully exposed, while the replay counts the traced stage's step whole. The other "
-        f"{ms(compute - ns)} ms of compute are memory-bound elementwise passes, as for Qwen3 |"
+        setting + f"{ms(published)} ms (same derivation) | {ms(modelled)} ms (titan_muon, like for like: the job waits for "
+        f"the latest stage after the forwards ahead of it, max over stages of step − their forwards = {ms(exposed['step_s'])} ms, "
+        f"less the same for AdamW-only steps, {ms(exposed['adamw_s'])} ms) | {modelled / published:.2f} | After the step, stage s "
+        f"gets its first microbatch once stages 0 … s − 1 have each run one forward ({ms(forward[0])} ms through stage 0, "
+        f"{ms(forward[1])} through stage 1: 2 FLOPs per active parameter for one {KIMI_MICROBATCH_TOKENS:,}-token sequence at "
+        f"the reported {KIMI_MODEL_FLOPS_PER_GPU / 1e12:,.0f} TFLOP/s per GPU; the microbatch is an assumption). Replayed: "
+        f"stage 0 (never hidden; dense layer, 14 MoE layers, embedding) {ms(stage0.step_s)} ms, stage {kimi.case.stage} (the "
+        f"busiest) {ms(kimi.step_s)} ms, of which {ms(kimi.step_s - forward[0])} ms exposed; stages 2 and 3 have at most its NS "
+        f"and hide behind two or three forwards. Counting the busiest stage's step whole, as this row did before: "
+        f"{ms(whole)} ms, {whole / published:.2f}. Stage 0's NS alone takes {ms(ns)} ms of its {ms(compute)} ms of compute at "
+        f"the model's rate; fitting the published figure with its step would need that NS ({stage0_ns:.3g} FLOPs per GPU) "
+        f"at {stage0_ns / published / 1e15:.2f} PFLOP/s ({100 * stage0_ns / published / GB300_PEAK_BF16:.0f} % of GB300's "
+        "dense bf16 peak) and nothing else: Megatron does fewer NS FLOPs than it counts (its SYRK kernels compute the "
+        "symmetric products at half cost), hides more, or the 2 % gap between 1,029 and 1,051 TFLOP/s is partly noise "
+        f"(0.5 % of either moves the implied time by about 25 %). The other {ms(compute - ns)} ms of stage 0's compute are "
+        "memory-bound elementwise passes, as for Qwen3 |"
     )
     eight_b = next((r for r in rows if r.case.model == "Llama-3 8B" and r.case.world == 8), None)
     dion_rate = 642e6 / 15.9e-3
@@ -463,7 +508,8 @@ def render(rows: Sequence[Row], command: str, elapsed_s: float) -> str:
         f"{torch.__version__}, in {elapsed_s / 60:.0f} min. Replaying model: `scripts/step_trace.py` traces each "
         "rank's `Muon.step()` on `meta` over torch's fake process group (titan_muon's own planning, exchange, "
         "Newton–Schulz and commit, at the settings a CUDA run gets by default: bf16 on the wire, Gram NS in fp16 where "
-        "`ns_algorithm=\"auto\"` picks it (MLP, k/v, expert shapes) and standard NS in bf16 elsewhere, element-wise passes "
+        "`ns_algorithm=\"auto\"` picks it on GPUs (short side ≥ 2048, aspect ≥ 2.5: Llama's MLP, DeepSeek-V3 and Kimi K2 experts; "
+        "measured on an H100) and standard NS in bf16 elsewhere, element-wise passes "
         f"compiled (each traced as one kernel), fp32 momentum, {DEFAULT_EXCHANGE_MEMORY_MB / 1024:g} GiB exchange memory, atomic commit, "
         "2 rounds in flight, no overlap); `scripts/replay.py` replays all ranks' traces with a host clock, one "
         "compute stream and one in-order stream per communicator per rank (its docstring has the rules, "
@@ -557,8 +603,15 @@ FINDINGS = """## What the replay shows
 
 ## Limits of the model
 
-- Kernel times come from FLOPs and bytes at fixed efficiencies, not from measured kernels; the
-  first GPU session should replace them with `scripts/gpu_check.sh` figures (`docs/performance.md`).
+- Kernel times come from FLOPs and bytes at fixed efficiencies, not from measured kernels.
+  Checked against Newton–Schulz measured on one H100 (`python scripts/calibrate_replay.py`, 2026-11-27:
+  the 80 calls of docs/gpu/h100_2026-11-27/crossover.json traced and costed as here): from a short side
+  of 2048 the model is right to a few percent (measured / modelled: standard bf16 median 1.02, range
+  0.95–1.18; fp16 Gram without the split 1.01), so the NS of the 8B, 70B and MoE experts' large
+  matrices is costed as a GPU runs it. Below 1024 rows NS is launch-bound and the model is 2–3×
+  optimistic: that host launched a kernel every 18.5 µs where the model assumes 7 µs (eager
+  PyTorch, torch 2.11, a virtualized 16-core host; with 18.5 µs the small calls fit to a median
+  1.08–1.39). `--launch-us 18.5` replays the cases with that host instead (nothing written).
 - Pipeline parallel is replayed one stage at a time, the busiest, counted whole: that later
   stages' steps can run while earlier ones start the next forward is not modelled (see the Kimi K2
   calibration row), and the other stages are assumed to reach the pipeline agreement with the
@@ -581,14 +634,18 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--large", action="store_true", help="also 70B at W = 256 and 405B at W = 128")
     parser.add_argument("--workers", type=int, default=2, help="processes tracing ranks in parallel")
     parser.add_argument("--output", type=Path, default=ROOT / "docs" / "scale.md")
+    parser.add_argument("--launch-us", type=float, help="host time per kernel launch in µs for every hardware (a sensitivity run: "
+                        "writes nothing; scripts/calibrate_replay.py measures it from a GPU run)")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.launch_us is not None:
+        HARDWARE.update({name: replace(hardware, launch_s=args.launch_us * 1e-6) for name, hardware in HARDWARE.items()})
     cases = QUICK if args.quick else DEFAULT + (LARGE if args.large else [])
     start = time.perf_counter()
     rows = []
     for case in cases:
         row = simulate(case, args.workers)
         rows.append(row)
-    if args.quick:
+    if args.quick or args.launch_us is not None:
         return
     command = "python scripts/simulate_scale.py" + (" --large" if args.large else "")
     args.output.write_text(render(rows, command, time.perf_counter() - start))

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import math
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -147,6 +148,15 @@ class _Recorder(DeviceAudit):
         tensors = [t for t in pytree.tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
         dtype = tensors[0].dtype if tensors else torch.float32
         return Kernel(str(func), flops, moved, dtype, self.phase(), self.stream())
+
+
+def trace_kernels(fn: Callable[[], object]) -> list[Kernel]:
+    """The kernels ``fn()`` launches, as the step's trace records them (``fn`` works on meta
+    tensors; host reads are answered as in the meta suite)."""
+    trace = Trace(rank=0)
+    with _Recorder(trace):
+        fn()
+    return [event for event in trace.events if isinstance(event, Kernel)]
 
 
 def _bytes(tree) -> int:

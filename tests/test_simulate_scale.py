@@ -334,6 +334,27 @@ def test_pipeline_layers_split_as_torchtitan_does():
         assert [[f"layers.{i}" for i in r] for r in ours] == [[m for m in part if m.startswith("layers.")] for part in theirs]
     kimi = simulate_scale.Case("Kimi-K2 1T", 256, ep=64, pp=4)
     assert kimi.stage == 1 and kimi.traced_ranks == range(64, 128)  # 16 MoE layers, the first of two such stages
+    first = simulate_scale.Case("Kimi-K2 1T", 256, ep=64, pp=4, only_stage=0)
+    assert first.stage == 0 and first.traced_ranks == range(0, 64) and first.layout.endswith("stage 0 traced")
+
+
+def test_pipeline_stages_hide_their_steps_behind_the_forwards_ahead_of_them():
+    """Stage s gets the next step's first microbatch after stages 0 … s − 1 each ran one forward;
+    the job waits for the latest stage. Stages after the busiest that were not replayed count at
+    its step; an earlier one missing is an error, not a guess."""
+    import simulate_scale
+    from model_presets import Model
+
+    forward = [0.060, 0.064, 0.064, 0.060]
+    exposed = simulate_scale.pipeline_exposed_s
+    assert exposed({0: 0.100, 1: 0.150}, forward, 4, busiest=1) == pytest.approx(0.100)  # stage 1: 0.150 − 0.060
+    assert exposed({0: 0.100, 1: 0.200}, forward, 4, busiest=1) == pytest.approx(0.140)
+    assert exposed({0: 0.010, 1: 0.300}, forward, 4, busiest=1) == pytest.approx(0.240)  # stages 2, 3 hide more
+    with pytest.raises(ValueError, match="stage 0 comes before the busiest"):
+        exposed({1: 0.150}, forward, 4, busiest=1)
+    # a forward is 2 FLOPs per active parameter per token; routed experts count 8 of their number
+    toy = Model("toy", (("layers.0.attention.wq", (4, 8)), ("layers.0.moe.experts.w1", (16, 4, 8))), dim=8, vocab=10)
+    assert simulate_scale.stage_forward_s(toy, 1, 0, tokens=100, flops_per_gpu=1e6) == pytest.approx(2 * (32 + 8 * 32) * 100 / 1e6)
 
 
 def test_gather_everything_floor_is_the_groups_whole_newton_schulz():
@@ -346,3 +367,18 @@ def test_gather_everything_floor_is_the_groups_whole_newton_schulz():
     (dmuon, canzona) = simulate_scale.owner_versus_gather_rows([row])
     assert "at least 1.0–1.0x (Llama-3 8B W = 4: 1.0x" in dmuon and "0.15 (the low ends)" in dmuon
     assert canzona.startswith("| Canzona")
+
+
+def test_calibration_costs_an_ns_call_as_the_replay_does():
+    """scripts/calibrate_replay.py: a tiny call is launch-bound (every kernel waits for its launch:
+    kernels × launch_s plus the last kernel's minimum time); a large one is its matrix products at
+    the bf16 rate plus its passes at the memory rate, never less than the FLOPs alone."""
+    from calibrate_replay import modelled_seconds
+
+    hardware = Hardware()
+    seconds, kernels = modelled_seconds(hardware, 1, 8, 16, torch.bfloat16, "standard", True)
+    assert seconds == pytest.approx(kernels * hardware.launch_s + hardware.min_kernel_s)
+    seconds, _ = modelled_seconds(hardware, 2, 4096, 14336, torch.bfloat16, "standard", True)
+    products = 2 * newton_schulz_flops(4096, 14336, 5) / hardware.bf16_matmul_flops
+    # the passes (scaling, casts) move a few copies of 2 x 4096 x 14336 elements: under 5 % here
+    assert products <= seconds <= 1.05 * products
