@@ -12,16 +12,20 @@
 #      against bf16 standard NS, the atomic against the streaming commit, against AdamW's default
 #      and fused steps: time, NS time, "beyond NS" over fused AdamW, peak memory each step adds;
 #   4. torchtitan's llama3 debug model (train_configs/llama3_gqa_*.toml, 300 steps, one GPU):
-#      Muon with the CUDA defaults (fp16 Gram NS), Muon with bf16 standard NS, AdamW: final loss,
-#      mean loss over the last 50 steps, tokens/s;
+#      Muon with the CUDA defaults (standard bf16 NS: the debug model's matrices are below the
+#      2048-row side where "auto" picks Gram on GPUs), Muon with fp16 Gram NS forced, AdamW: final
+#      loss, mean loss over the last 50 steps, tokens/s, the loss difference between the two NS;
 #   5. scripts/measure_qk_clip_recording.py --long: MuonClip's max-logit recording against SDPA at
 #      sequence length 8192 (Llama-3 8B and DeepSeek-V3 layers), and FlexAttention's max scores;
-#   6. float8 training (torchao's tensorwise recipe, compiled) with Muon on the debug model.
+#   6. float8 training (torchao's tensorwise recipe, compiled) with Muon on the debug model;
+#   7. scripts/ns_gram_crossover.py: fp16 Gram against bf16 standard NS over 80 shapes and batch
+#      sizes (what sets "auto" on GPUs), in what time is left.
 # Installs: torchtitan 0.2.2 and what it needs from PyPI, or from wheels in .whl/ where the machine
 # has no network (see docs/performance.md, "GPU"); the GPU's own torch is kept. titan_muon runs
 # from this checkout (PYTHONPATH), so pip never replaces that torch.
 # Writes at most 8 files to OUT_DIR: summary.md (each step's status and time, the key rows),
-# device.txt, ns.md, tests.txt, bench.md, train.md, qk.md. Without a GPU it says so and exits 0.
+# device.txt, ns.md, tests.txt, bench.md, train.md, qk.md, crossover.md. Without a GPU it says so and
+# exits 0.
 #
 #   bash scripts/gpu_check.sh [OUT_DIR]      # default: gpu_check_out/
 set -uo pipefail
@@ -80,9 +84,9 @@ train() {  # train NAME STEPS CONFIG [overrides...]
         --training.steps "$steps" --metrics.log_freq 5 --job.dump_folder "$runs/$name" "$@"
 }
 export -f train; export runs
-run "4a. debug model: Muon (CUDA defaults: fp16 Gram NS)" 75 "$out/train.md" train muon_auto 300 train_configs/llama3_gqa_muon.toml
-run "4b. debug model: Muon, bf16 standard NS" 75 "$out/train.md" train muon_bf16_standard 300 train_configs/llama3_gqa_muon.toml \
-    --optimizer.ns_algorithm standard
+run "4a. debug model: Muon (CUDA defaults)" 75 "$out/train.md" train muon_auto 300 train_configs/llama3_gqa_muon.toml
+run "4b. debug model: Muon, fp16 Gram NS forced" 75 "$out/train.md" train muon_fp16_gram 300 train_configs/llama3_gqa_muon.toml \
+    --optimizer.ns_algorithm gram
 run "4c. debug model: AdamW" 60 "$out/train.md" train adamw 300 train_configs/llama3_gqa_adamw.toml
 
 for shape in llama3_8b deepseek_v3; do
@@ -91,6 +95,8 @@ for shape in llama3_8b deepseek_v3; do
 done
 run "6. float8 training with Muon (compiled)" 90 "$out/train.md" train muon_float8 50 train_configs/llama3_gqa_muon.toml \
     --model.converters quantize.linear.float8 --compile.enable
+run "7. NS crossover: fp16 Gram vs bf16 standard" 120 "$out/crossover.md" \
+    python scripts/ns_gram_crossover.py --device cuda --batches 8,1 --seconds 100
 
 python - "$runs" >> "$summary" 2>&1 <<'PY'
 import os, sys
@@ -99,7 +105,7 @@ runs = sys.argv[1]
 print("\n| debug model run | final loss | mean loss, last 50 steps | median tokens/s | median optimizer step ms | median NS ms | mean abs. loss difference to muon_auto, same steps |\n|---|---|---|---|---|---|---|")
 reference = {}
 median = lambda values: sorted(values)[len(values) // 2] if values else float("nan")
-for name in ("muon_auto", "muon_bf16_standard", "adamw", "muon_float8"):
+for name in ("muon_auto", "muon_fp16_gram", "adamw", "muon_float8"):
     if not os.path.isdir(f"{runs}/{name}"):
         continue
     losses = read_losses(f"{runs}/{name}")

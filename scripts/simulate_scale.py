@@ -611,7 +611,11 @@ FINDINGS = """## What the replay shows
   matrices is costed as a GPU runs it. Below 1024 rows NS is launch-bound and the model is 2–3×
   optimistic: that host launched a kernel every 18.5 µs where the model assumes 7 µs (eager
   PyTorch, torch 2.11, a virtualized 16-core host; with 18.5 µs the small calls fit to a median
-  1.08–1.39). `--launch-us 18.5` replays the cases with that host instead (nothing written).
+  1.08–1.39). `--launch-us 18.5` replays the cases with that host instead (nothing written). The
+  element-wise passes beyond NS, on the same H100 (`scripts/bench_gpu.py`, two Llama-3 8B layers,
+  one process; `scripts/step_bytes.py --world 1` counts 42 / 70 bytes per element compiled /
+  eager): measured 9.0 / 12.2 ms against 6.8 / 11.4 ms at the model's 2.68 TB/s, so the compiled
+  passes run about 1.3× slower than modelled (docs/performance.md, "GPU").
 - Pipeline parallel is replayed one stage at a time, the busiest, counted whole: that later
   stages' steps can run while earlier ones start the next forward is not modelled (see the Kimi K2
   calibration row), and the other stages are assumed to reach the pipeline agreement with the
