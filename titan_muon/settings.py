@@ -7,6 +7,7 @@ import warnings
 
 import torch
 
+from titan_muon.algorithm import newton_schulz
 from titan_muon.algorithm.newton_schulz import NS_ALGORITHMS, NS_METHODS, NSPrecision, coefficient_schedule
 from titan_muon.algorithm.update import ADJUST_LR_FNS
 
@@ -35,7 +36,7 @@ def on_accelerator(device: torch.device) -> bool:
     """Whether "auto" settings choose for an accelerator: on CUDA, and on ``meta``, where the
     meta-device suite and the step traces (scripts/step_trace.py) stand in for a GPU and must see
     what it runs; elsewhere (CPU) they choose for a CPU."""
-    return device.type in ("cuda", "meta")
+    return newton_schulz.on_accelerator(device.type)
 
 
 def compile_elementwise(setting: bool | None, device: torch.device) -> bool:

@@ -76,13 +76,16 @@ SYMMETRIC_SPLIT_MIN = 512
 SYMMETRIC_SPLIT_MIN_ACCELERATOR = 3072
 
 
-def _on_accelerator(device_type: str) -> bool:
-    return device_type != "cpu"
+def on_accelerator(device_type: str) -> bool:
+    """Whether "auto" choices on this device type are a GPU's: CUDA, and ``meta``, where the meta
+    suite and the step traces (scripts/step_trace.py) stand in for a GPU; anything else chooses
+    as the CPU does. settings.on_accelerator asks the same of a device."""
+    return device_type in ("cuda", "meta")
 
 
 def symmetric_split_min(device_type: str) -> int:
     """Rows from which a symmetric product is split into three blocks on this device type."""
-    return SYMMETRIC_SPLIT_MIN_ACCELERATOR if _on_accelerator(device_type) else SYMMETRIC_SPLIT_MIN
+    return SYMMETRIC_SPLIT_MIN_ACCELERATOR if on_accelerator(device_type) else SYMMETRIC_SPLIT_MIN
 
 
 def coefficient_schedule(method: str | tuple[float, float, float], steps: int) -> list[tuple[float, float, float]]:
@@ -162,7 +165,7 @@ def resolve_algorithm(rows: int, cols: int, dtype: torch.dtype, device_type: str
     short, long = min(rows, cols), max(rows, cols)
     if dtype not in GRAM_DTYPES:
         return "standard"
-    min_side = GRAM_MIN_SIDE_ACCELERATOR if _on_accelerator(device_type) else GRAM_MIN_SIDE
+    min_side = GRAM_MIN_SIDE_ACCELERATOR if on_accelerator(device_type) else GRAM_MIN_SIDE
     return "gram" if short >= min_side and long >= GRAM_MIN_ASPECT * short else "standard"
 
 
