@@ -57,3 +57,34 @@ def _overlapped(rank, world):
 def test_peak_transient_bytes_with_overlap_count_the_buffers_sent_in_backward():
     for result in run_distributed(_overlapped, 2):
         assert result["live"] <= result["account"] <= result["live"] + result["slack"], result
+
+
+def test_newton_schulz_in_chunks_changes_no_weight_and_the_account_still_holds(monkeypatch):
+    """An owner's batch of equal matrices runs through NS in chunks within NS_CHUNK_BYTES: forced
+    down to one matrix per chunk, the weights are bit for bit the whole batch's (on CPU a batch
+    runs one matrix at a time either way) and the account still bounds what is alive — which
+    now includes the return buffer beside the results it is cut from (on CPU that moment is the
+    peak, whole batch or chunks; where the peak falls is tests/test_meta_device.py's)."""
+    import torch
+
+    from titan_muon.algorithm import orthogonalizer
+
+    shapes = {f"w{i}": (300, 640) for i in range(4)} | {"d": (30, 64)}
+
+    def run():
+        params = make_params(shapes=shapes)
+        tensors = {n: nn.Parameter(p) for n, p in params.items()}
+        opt = Muon(list(tensors.values()), lr=0.01)
+        for s in range(2):
+            for n, g in grads_for(s, params).items():
+                tensors[n].grad = g
+            with LiveBytes() as live:
+                opt.step()
+        return tensors, opt.last_step_metrics["muon/peak_transient_bytes"], live.peak, _model_slack(opt)
+
+    whole, account, live, slack = run()
+    assert live <= account <= live + slack
+    monkeypatch.setattr(orthogonalizer, "NS_CHUNK_BYTES", 1)
+    chunked, account, live, slack = run()
+    assert all(torch.equal(whole[n], chunked[n]) for n in shapes)
+    assert live <= account <= live + slack

@@ -545,3 +545,18 @@ def test_muon_step_with_fp16_ns():
     for k in range(2):
         distance = lambda u: (u[k] - exact[k]).norm()
         assert distance(fp16) <= distance(wire_only) + 2 / 8 * distance(bf16_ns_only), k
+
+
+def test_batches_run_in_chunks_within_the_workspace_budget():
+    """Orthogonalizer.chunks: consecutive, covering, even runs whose workspace stays within
+    NS_CHUNK_BYTES, one matrix at least: 8 Llama-3 8B MLP matrices in fp16 Gram NS (464 MiB each)
+    one at a time, 40 GQA k/v matrices in bf16 standard NS (28 MiB each) in three runs."""
+    from titan_muon.algorithm.orthogonalizer import NS_CHUNK_BYTES, Orthogonalizer
+
+    ns = Orthogonalizer(lambda: [_group()], resolve_ns_precision("auto", torch.device("cuda")), torch.device("cuda"))
+    for (rows, cols), count, expected in [((14336, 4096), 8, [1] * 8), ((1024, 4096), 40, [14, 14, 12]), ((64, 256), 5, [5])]:
+        batch = torch.empty(count, rows, cols, device="meta")
+        chunks = ns.chunks(((rows, cols), 0), batch)
+        assert [c.stop - c.start for c in chunks] == expected and chunks[0].start == 0 and chunks[-1].stop == count
+        assert all(a.stop == b.start for a, b in zip(chunks, chunks[1:]))
+        assert all(c.stop - c.start == 1 or ns.workspace_bytes(((rows, cols), 0), batch[c]) <= NS_CHUNK_BYTES for c in chunks)

@@ -113,12 +113,13 @@ class MatrixStep:
         made = sum(m.numel() * m.element_size() for batch, m in zip(batches, inputs) if m is not batch.matrices)
         memory.add(made)
         for batch, matrices in zip(batches, inputs):
-            workspace = self.newton_schulz.workspace_bytes(batch.key, matrices)
-            memory.add(workspace)
-            out = self.newton_schulz(batch.key, matrices, self.timer, self.work)
-            memory.free(workspace)
-            memory.add(out.numel() * out.element_size() + 4)  # until the return buffer is packed; + the update's squared norm (metrics)
-            results.update(zip(batch.units, out.unbind(0)))
+            for chunk in self.newton_schulz.chunks(batch.key, matrices):
+                workspace = self.newton_schulz.workspace_bytes(batch.key, matrices[chunk])
+                memory.add(workspace)
+                out = self.newton_schulz(batch.key, matrices[chunk], self.timer, self.work)
+                memory.free(workspace)
+                memory.add(out.numel() * out.element_size() + 4)  # until the return buffer is packed; + the update's squared norm (metrics)
+                results.update(zip(batch.units[chunk], out.unbind(0)))
         memory.free(made)
         return results
 

@@ -428,7 +428,8 @@ def orthogonalize(
     if matrix.ndim == 3 and matrix.device.type == "cpu":
         # CPU BLAS runs one GEMM at a time either way; 2-D addmm beats baddbmm by ~8 % (measured,
         # fp32, 1024-2816 sides). Batching pays on GPUs, where it saves kernel launches.
-        return torch.stack([orthogonalize(m, steps, method, dtype, eps, algorithm, scale=scale, contiguous=contiguous) for m in matrix])
+        results = [orthogonalize(m, steps, method, dtype, eps, algorithm, scale=scale, contiguous=contiguous) for m in matrix]
+        return results[0].unsqueeze(0) if len(results) == 1 else torch.stack(results)  # a batch of one: no copy
     # fp16 cannot hold every unscaled input (a momentum of 1e-8 underflows, a sum of squares
     # overflows): scale in fp32 first, then round once to fp16.
     x = matrix.to(torch.promote_types(matrix.dtype, torch.float32) if dtype == torch.float16 else dtype)

@@ -276,7 +276,7 @@ class ExchangeEngine:
             memory.free(exchange.nbytes - exchange.received.numel())  # the send buffer, once done
             received = exchange.wait()
             launch_through(r + 1 + self.rounds_in_flight)  # queued before this round's NS
-            back = None
+            back, counted = None, 0
             if failure.error is None:
                 try:
                     with phase("assemble"):
@@ -286,6 +286,8 @@ class ExchangeEngine:
                     results = orthogonalize(r, batches)  # counts its results in `memory`
                     with phase("disassemble"):
                         back = disassemble(tables, results, return_dtype, self.device)
+                    counted = back.numel() * back.element_size()  # alive beside the batches and results it is cut from
+                    memory.add(counted)
                     memory.free(batch_bytes + sum(t.numel() * t.element_size() for t in results.values()))
                     del batches, results  # not alive through the next round's Newton-Schulz
                 except Exception as error:  # noqa: BLE001 - settled on every rank in agree_on_success
@@ -297,7 +299,7 @@ class ExchangeEngine:
             if back is None:
                 back = self.buffer(tables.recv_numel, return_dtype, failure, f"allocating round {r}'s return buffer")
             returning.append((r, self.return_trip(r, back, failure)))
-            memory.add(returning[-1][1].nbytes)
+            memory.add(returning[-1][1].nbytes - counted)
             if len(returning) > self.rounds_in_flight:
                 held += self._receive(*returning.pop(0), receive, returned, failure, memory)
         for r, exchange in returning:
