@@ -12,7 +12,7 @@ from titan_muon.algorithm.newton_schulz import (
     GRAM_MAX_RUN,
     GRAM_MIN_ASPECT,
     GRAM_MIN_SIDE,
-    GRAM_MIN_SIDE_ACCELERATOR,
+    GRAM_ACCELERATOR_SHAPES,
     NS_ALGORITHMS,
     SYMMETRIC_KERNEL_MIN,
     NSPrecision,
@@ -262,11 +262,13 @@ def test_resolve_algorithm():
     # never Gram in bf16, whatever the shape (its error grows with the short side: resolve_algorithm)
     for shape in (mlp, (4096, 14336), (7168, 2048)):
         assert resolve_algorithm(*shape, torch.bfloat16, "cuda") == resolve_algorithm(*shape, torch.bfloat16, "cpu") == "standard"
-    # GPUs (and meta, standing in for them): Gram from a short side of 2048 on (measured on an H100),
-    # so Llama-3 8B's MLP and DeepSeek-V3's experts, not its GQA k/v (1024 x 4096) or Qwen3's experts
-    for shape in ((4096, 14336), (14336, 4096), (7168, 2048), (GRAM_MIN_SIDE_ACCELERATOR, math.ceil(GRAM_MIN_ASPECT * GRAM_MIN_SIDE_ACCELERATOR))):
+    # GPUs (and meta, standing in for them): Gram from a short side of 2048 at aspect 2.5, or 1536 at
+    # 3.5 (measured on an H100), so Llama-3 8B's MLP, DeepSeek-V3's experts and its 1536 x 7168 query
+    # down-projection, not GQA k/v (1024 x 4096) or Qwen3's experts (768 x 2048)
+    assert GRAM_ACCELERATOR_SHAPES == ((2048, 2.5), (1536, 3.5))
+    for shape in ((4096, 14336), (14336, 4096), (7168, 2048), (2048, 5120), (1536, 7168), (1536, 5376)):
         assert resolve_algorithm(*shape, HALF, "cuda") == resolve_algorithm(*shape, torch.float32, "meta") == "gram"
-    for shape in (mlp, (1024, 4096), (768, 2048), (GRAM_MIN_SIDE_ACCELERATOR - 1, 4 * GRAM_MIN_SIDE_ACCELERATOR)):
+    for shape in (mlp, (1024, 4096), (768, 2048), (2047, 5118), (1536, 5375), (1535, 8192)):
         assert resolve_algorithm(*shape, HALF, "cuda") == resolve_algorithm(*shape, torch.float32, "meta") == "standard"
         assert resolve_algorithm(*shape, torch.float32, "cpu") == "gram"
     assert resolve_algorithm(4096, 4096, HALF, "cuda") == "standard"
@@ -373,7 +375,7 @@ def test_fp16_refuses_coefficients_that_could_overflow():
 # The device type is a string in the rule, so the CUDA branch runs here: an Orthogonalizer built
 # for torch.device("cuda") never touches the device until it is given tensors.
 MLP, SQUARE, SMALL = (1024, 3584), (1024, 1024), (64, 256)
-LLAMA_8B_MLP = (4096, 14336)  # Gram on GPUs too (GRAM_MIN_SIDE_ACCELERATOR)
+LLAMA_8B_MLP = (4096, 14336)  # Gram on GPUs too (GRAM_ACCELERATOR_SHAPES)
 
 
 def _group(**overrides):

@@ -62,11 +62,12 @@ HALF_GRAM_MAX_RUN = 2
 GRAM_MIN_ASPECT = 2.5
 GRAM_MIN_SIDE = 128
 # On GPUs (and on meta, which stands in for them) Gram NS's extra, smaller GEMMs and element-wise
-# passes cost more than its saved FLOPs until the short side is large. Measured on an H100
-# (scripts/ns_gram_crossover.py, docs/newton_schulz.md, 2026-11-27): fp16 Gram against bf16
-# standard NS at aspect 2.5-5 is 0.72-0.93x the time from a short side of 2048 on, batches of 1
-# and 8 alike; at 1024 it is 0.77-0.92x in batches of 8 but 1.6-1.7x alone (launch-bound).
-GRAM_MIN_SIDE_ACCELERATOR = 2048
+# passes cost more than its saved FLOPs until the short side is large: (short side, aspect) from
+# which "auto" picks it there. Measured on an H100 (scripts/ns_gram_crossover.py,
+# docs/newton_schulz.md, 2026-11-27), fp16 Gram against bf16 standard NS, batches of 1 and 8
+# alike: 0.72-0.93x the time from a short side of 2048 at aspect 2.5-5, 0.76-0.95x at 1536 from
+# aspect 3.5 (1.07-1.13x at 2.5); at 1024 0.77-0.92x in batches of 8 but 1.6-1.7x alone.
+GRAM_ACCELERATOR_SHAPES = ((2048, 2.5), (1536, 3.5))
 # From this many rows on, a product known to be symmetric is computed as three half-size blocks
 # (upper triangle of a 2x2 block split) and mirrored: 3/4 of the multiply-adds (torch exposes no
 # SYRK/SYMM). Measured on CPU, whole NS: 0.91x the time at 512 rows, 0.93x at 384, a wash at 256.
@@ -151,9 +152,10 @@ def newton_schulz_flops(rows: int, cols: int, steps: int, algorithm: str = "stan
 
 def resolve_algorithm(rows: int, cols: int, dtype: torch.dtype, device_type: str) -> str:
     """What algorithm="auto" runs on a (rows, cols) matrix in `dtype`: "gram" where it is both
-    faster and as accurate — in fp32 or fp16, when the long side is at least GRAM_MIN_ASPECT times
-    the short one and the short side at least GRAM_MIN_SIDE on CPU, GRAM_MIN_SIDE_ACCELERATOR on
-    GPUs and meta (both measured: docs/newton_schulz.md) — and "standard" otherwise.
+    faster and as accurate — in fp32 or fp16, on CPU when the long side is at least GRAM_MIN_ASPECT
+    times the short one and the short side at least GRAM_MIN_SIDE, on GPUs and meta for the
+    shapes of GRAM_ACCELERATOR_SHAPES (both measured: docs/newton_schulz.md) — and "standard"
+    otherwise.
 
     Never Gram in bf16: the Gram matrix squares the condition number, and in bf16 its error
     grows with the short side. On inputs whose column scales span 1e4–1e6, bf16 Gram NS let the
@@ -165,8 +167,8 @@ def resolve_algorithm(rows: int, cols: int, dtype: torch.dtype, device_type: str
     short, long = min(rows, cols), max(rows, cols)
     if dtype not in GRAM_DTYPES:
         return "standard"
-    min_side = GRAM_MIN_SIDE_ACCELERATOR if on_accelerator(device_type) else GRAM_MIN_SIDE
-    return "gram" if short >= min_side and long >= GRAM_MIN_ASPECT * short else "standard"
+    rules = GRAM_ACCELERATOR_SHAPES if on_accelerator(device_type) else ((GRAM_MIN_SIDE, GRAM_MIN_ASPECT),)
+    return "gram" if any(short >= side and long >= aspect * short for side, aspect in rules) else "standard"
 
 
 class NSPrecision(NamedTuple):
