@@ -28,7 +28,7 @@ from titan_muon.exchange.layout import RankGrid, box_numel, sharding_of  # noqa:
 from titan_muon.exchange.plan import Unit, build_plan, elements_sent, rank_tables  # noqa: E402
 from titan_muon.settings import DEFAULT_EXCHANGE_MEMORY_MB, owner_bytes_per_element  # noqa: E402
 
-# The optimizer's defaults: 8 GiB per rank for 2 rounds in flight; bf16 wire and NS (CUDA's
+# The optimizer's defaults: DEFAULT_EXCHANGE_MEMORY_MB per rank for 2 rounds in flight; bf16 wire and NS (CUDA's
 # "auto") for the model presets, fp32 (CPU's) for the small test shapes.
 DEFAULT_ROUND_BYTES = DEFAULT_EXCHANGE_MEMORY_MB * 2**20 / 2
 

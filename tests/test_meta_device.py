@@ -148,7 +148,7 @@ def test_launches_per_matrix_do_not_grow_with_the_model(case):
     layers. Rounds batch equal matrices into one Newton-Schulz call per owner and the step's
     fixed work is spread over more matrices, so the count must not rise with the model (a loop
     per row block or per 256 columns, or a per-matrix cost in the fixed work, would make it). Measured on 2026-11-24:
-    docs/performance.md, "Launches per matrix". The window is 8 GiB (the default, given explicitly)
+    docs/performance.md, "Launches per matrix". The window is 8 GiB (given explicitly; the default is 2 GiB)
     so that the rounds are set by the plan's balance, not by memory: with a 1 GiB window a
     12-layer model needs more rounds than a 6-layer one, and each round's own launches (its
     collectives, packing, one NS call per shape) are spread over fewer matrices at the step

@@ -135,7 +135,7 @@ def _preset_units():
     return module
 
 
-# The plan's balance where memory does not bind: an 8 GiB window (4 GiB per round, the default). A
+# The plan's balance where memory does not bind: an 8 GiB window (4 GiB per round; the default is 2 GiB). A
 # 1 GiB window (3 GiB less per GPU on Llama-3 8B) caps rounds on the MoE presets' large
 # matrices: DeepSeek-V3 1.13x and Kimi K2 1.10x of total / W at W = 256, DeepSeek-V3 1.64x at
 # W = 1024 (README, docs/scale.md); users at that scale set exchange_memory_mb.

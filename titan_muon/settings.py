@@ -23,7 +23,7 @@ DTYPE_CHOICES = (*DTYPES, "auto")
 NONFINITE_POLICIES = ("raise", "skip")
 ADAMW_IMPLEMENTATIONS = ("fused", "foreach", "for-loop")  # the names of TorchTitan's optimizer.implementation
 # Per-rank MiB for the exchange buffers of the rounds in flight (plan.py, exchange.py).
-DEFAULT_EXCHANGE_MEMORY_MB = 8192.0
+DEFAULT_EXCHANGE_MEMORY_MB = 2048.0
 DEFAULT_NS_EPS = 1e-7  # torch.optim.Muon's
 # What one element of a matrix costs its owner during a round, in bytes per byte of the wire
 # dtype plus fixed fp32 parts: received pieces and the return buffer (2 × wire), the assembled

@@ -48,7 +48,9 @@ class Optimizer:
     for wide matrices (torchtitan 0.3.0 DistMuon's)."""
     exchange_memory_mb: float | None = None
     """Per-GPU MiB for the exchange buffers of the rounds in flight (pieces, whole matrices on
-    their owners, Newton-Schulz workspace, return buffers); unset: 8192 (1024 with commit = "streaming" takes Llama-3 8B at 8 GPUs to 1.3 GiB; MoE layouts slow down). A round always holds
+    their owners, Newton-Schulz workspace, return buffers); unset: 2048 (replayed as fast as 8192 on
+    the dense and MoE layouts of docs/scale.md at less memory; with commit = "streaming" Llama-3 8B at
+    8 GPUs peaks at 1.6 GiB). A round always holds
     at least one matrix per owner."""
     rounds_in_flight: int = 2
     """Owner-balanced rounds whose outbound all-to-all runs ahead of the owners' Newton-Schulz."""
