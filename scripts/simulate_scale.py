@@ -560,15 +560,15 @@ FINDINGS = """## What the replay shows
 
 - **The step is bound by its own work, not by waiting.** Llama-3 8B at W = 8 (FSDP, and HSDP 8
   × 4, which replays the same per-rank work), Llama-3 70B at W = 64 (FSDP, and FSDP 8 × TP 8) and
-  the busiest pipeline stage of Kimi K2 on PP4 DP64 EP64 land within 0–3 % of their bound: the
+  both traced pipeline stages of Kimi K2 on PP4 DP64 EP64 land within 0–4 % of their bound: the
   compute stream is busy almost all the time, every rank runs about the same Newton–Schulz (*NS
-  busiest / mean* 1.00–1.03), and the bytes travel while NS runs.
+  busiest / mean* 1.00–1.10), and the bytes travel while NS runs.
 - **The one-communicator column equals the step.** With owner-balanced rounds every owner finishes
   a round's NS at about the same time, so a return trip queued ahead of the next outbound trip on
   one in-order NCCL stream delays nothing. The 4.7× that issue 16 replayed came from buckets with
   one owner each, which the rounds removed; the second lane is insurance for rounds that are not
   balanced (MoE at large W, a few costly matrices), at the cost of one more communicator per rank set.
-- **Few matrices per owner (Llama-3 8B at W = 64, 3.5 each)**: 1.25× the bound. With fewer than 4·W
+- **Few matrices per owner (Llama-3 8B at W = 64, 3.5 each)**: 1.26× the bound. With fewer than 4·W
   matrices the rounds are few and small, and the first outbound trip and the last return — about
   half of the rank's 11 ms of wire time — have no NS to hide behind. `overlap=True` sends the
   outbound trips during backward.
@@ -576,28 +576,36 @@ FINDINGS = """## What the replay shows
   wire overlaps NS, and it leaves out the elementwise work, which is most of what separates the
   step from NS. Both columns are given; the ratio that says how good the schedule is, is step / bound.
 - **Tensor parallel changes the pieces, not the work.** Llama-3 70B on FSDP 8 × TP 8 replays within
-  0.2 % of FSDP on 64 (391.6 vs 390.8 ms): every matrix is still spread over all 64 ranks in equal
-  parts (one rank set, one exchange) and orthogonalized once by one owner, so the bytes (4,024 MiB
+  0.5 % of FSDP on 64 (309.0 vs 307.7 ms): every matrix is still spread over all 64 ranks in equal
+  parts (one rank set, one exchange) and orthogonalized once by one owner, so the bytes (4,148 MiB
   per rank) and the NS are the same. Row-wise layers arrive as column blocks, which owners copy
   into place and split back out piece by piece (a copy and a clone per piece, where row blocks are
-  joined by one concatenation per batch of matrices): 3,564 kernels per rank instead of 2,934, 25 ms of host time instead
-  of 21, hidden under compute.
+  joined by one concatenation per batch of matrices): 2,848 kernels per rank instead of 2,090, 20 ms of host time instead
+  of 15, hidden under compute.
 - **Expert parallel does not mean no expert traffic.** Under EP (and efsdp splitting the expert
   dimension) every expert is whole on one rank, and the plan leaves it there when that rank has
   room in the round; it moves some to even out Newton–Schulz. Qwen3-30B-A3B on DP8 EP8 sends up to
-  714 MiB per rank, of which 378 MiB are the attention matrices' shards: about 56 of a rank's 2,304
-  expert matrices travel. Kimi K2's stage sends up to 1,711 MiB per rank, 136 MiB of them dense
-  shards: about 28 of its 288 expert matrices (10 %), 4.6 ms on NVLink 5, under NS. DP8 EP8 on 128
+  1,578 MiB per rank, of which 378 MiB are the attention matrices' shards: about 200 of a rank's
+  2,304 expert matrices travel (out and back). Kimi K2's busiest stage sends up to 5,752 MiB per
+  rank, 136 MiB of them dense shards: about 100 of its 288 expert matrices (35 %), 16.4 ms on NVLink
+  5, under NS. With the 8 GiB window of before (fewer, larger rounds) they sent 714 and 1,711 MiB:
+  a 2 GiB window has more rounds to level, and levels them by moving experts. On NVLink that is
+  hidden; EP over InfiniBand would see 2–3× the bytes, and `exchange_memory_mb = 8192` restores the
+  old traffic at the old memory. DP8 EP8 on 128
   experts puts the same experts on the same ranks as FSDP2's `Shard(0)` over 8 ranks, and replays
   to the same step as the FSDP stand-in it replaced (wave 3).
 - **The MoE steps on GB300: the element-wise work is now a third of NS, not its equal.** Wave 3
   replayed Qwen3's step with 64.8 ms of element-wise passes beside NS (two lerps and a cast for the
   Nesterov input, fp32 round trips around NS, a separate scale, the commit's passes: 98 bytes per
   Muon element). With the passes compiled (one kernel each), arrivals fed to NS in their wire dtype
-  and NS's result scaled in its own dtype (46 bytes per element beyond NS), and Gram NS in fp16 where
-  it is faster, Qwen3's busiest rank computes 98.5 ms: 65.0 ms of NS and 33.5 ms of other work
-  (fp16 Gram NS's own normalization included). Kimi K2's traced stage: 112.0 ms of NS, 34.7 ms of
-  other work. About 9 k kernels per rank cost 57 ms of host time on Qwen3, hidden under the compute. What is left: the commit's momentum lerp, which
+  and NS's result scaled in its own dtype (42 bytes per element beyond NS), and NS as the H100
+  measured it fastest (standard bf16 on Qwen3's 768 × 2048 experts, fp16 Gram on Kimi K2's 2048 ×
+  7168 ones), Qwen3's busiest rank computes 79.9 ms: 48.1 ms of NS and 31.8 ms of other work.
+  Kimi K2's busiest stage: 126.3 ms of NS, 32.3 ms of other work. **The host is Qwen3's risk**:
+  8,252 kernels per rank cost 60 ms of host time at the model's 7 µs per launch, hidden under the
+  compute; at the 18.5 µs per kernel the lent H100's host took (eager PyTorch on a virtualized host,
+  `--launch-us 18.5`), the step is host-bound at 159.1 ms (Llama-3 8B: 124.5 ms, Kimi K2's stage 0:
+  143.7 ms, both still compute-bound). What is left: the commit's momentum lerp, which
   recomputes what packing computed (writing it there needs the streaming step), and the NS
   phase's casts (docs/performance.md, "Bytes per Muon element").
 
@@ -616,10 +624,10 @@ FINDINGS = """## What the replay shows
   one process; `scripts/step_bytes.py --world 1` counts 42 / 70 bytes per element compiled /
   eager): measured 9.0 / 12.2 ms against 6.8 / 11.4 ms at the model's 2.68 TB/s, so the compiled
   passes run about 1.3× slower than modelled (docs/performance.md, "GPU").
-- Pipeline parallel is replayed one stage at a time, the busiest, counted whole: that later
-  stages' steps can run while earlier ones start the next forward is not modelled (see the Kimi K2
-  calibration row), and the other stages are assumed to reach the pipeline agreement with the
-  traced one. Expert parallel is modelled without tensor parallel (etp = 1, tp = 1), and tensor
+- Pipeline parallel is replayed one stage at a time (Kimi K2: the busiest and stage 0); the Kimi K2
+  calibration row combines them with the forwards that hide later stages' steps
+  (`pipeline_exposed_s`), computed from the model's FLOPs at NVIDIA's reported rate rather than
+  replayed, and the other stages are assumed to reach the pipeline agreement with the traced one. Expert parallel is modelled without tensor parallel (etp = 1, tp = 1), and tensor
   parallel with Llama's plan only; context parallel shards like FSDP (torchtitan's `fsdp` mesh is
   dp_shard × cp), so a DP degree here stands for dp_shard × cp. HSDP is traced over all replicas.
 - W is limited by tracing time: every rank's step is run (about 1-15 s per rank on this CPU). Beyond
