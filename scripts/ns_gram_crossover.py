@@ -16,33 +16,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import sys
 import time
+from pathlib import Path
 from unittest import mock
 
 import torch
 
-from titan_muon.algorithm import newton_schulz
-from titan_muon.algorithm.newton_schulz import orthogonalize
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_gpu import timed  # noqa: E402
 
-
-def median_ms(fn, device: torch.device, repeats: int = 5, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            stop.record()
-            stop.synchronize()
-            times.append(start.elapsed_time(stop))
-        else:
-            began = time.perf_counter()
-            fn()
-            times.append(1e3 * (time.perf_counter() - began))
-    return statistics.median(times)
+from titan_muon.algorithm import newton_schulz  # noqa: E402
+from titan_muon.algorithm.newton_schulz import orthogonalize  # noqa: E402
 
 
 def main() -> None:
@@ -69,10 +54,10 @@ def main() -> None:
                 n = int(round(m * aspect / 64)) * 64
                 x = torch.randn(batch, m, n, device=device) if batch > 1 else torch.randn(m, n, device=device)
                 run = lambda dtype, algorithm: orthogonalize(x, 5, "polar_express", dtype, algorithm=algorithm)
-                standard = median_ms(lambda: run(torch.bfloat16, "standard"), device)
-                gram = median_ms(lambda: run(torch.float16, "gram"), device)
+                standard = timed(lambda: run(torch.bfloat16, "standard"), device, repeats=5, warmup=2)
+                gram = timed(lambda: run(torch.float16, "gram"), device, repeats=5, warmup=2)
                 with mock.patch.object(newton_schulz, "symmetric_split_min", lambda device_type: 1 << 30):
-                    whole = median_ms(lambda: run(torch.float16, "gram"), device)
+                    whole = timed(lambda: run(torch.float16, "gram"), device, repeats=5, warmup=2)
                 rows.append(dict(m=m, n=n, batch=batch, standard_ms=standard, gram_ms=gram, gram_no_split_ms=whole))
                 print(f"| {m} × {n} | {batch} | {standard:.3f} | {gram:.3f} | {whole:.3f} | {gram / standard:.2f} | {whole / standard:.2f} |", flush=True)
                 del x
