@@ -495,3 +495,25 @@ def test_state_dict_round_trips_and_a_deep_copy_steps_like_the_original():
     _step(opt, p, q, 1)
     _step(clone, cp, cq, 1)
     assert torch.equal(cp, p) and torch.equal(cq, q)
+
+
+def test_coalesce_merges_only_blocks_that_continue_each_other_in_memory():
+    """update.coalesce: rows of blocks become one flat view per run where every block of a row
+    starts where the previous row's ends (an EP rank's experts and their buffer slots); a gap,
+    another tensor, a column block or a second tensor out of step ends the run. The merged views
+    alias the blocks: a pass over them writes the parameter itself."""
+    from titan_muon.algorithm.update import coalesce
+
+    experts, buffer, other = torch.zeros(4, 3, 5), torch.arange(60.0), torch.zeros(4, 3, 5)
+    slots = [buffer[15 * i : 15 * (i + 1)].view(3, 5) for i in range(4)]
+    runs = coalesce([(experts[i], slots[i]) for i in range(4)])
+    assert len(runs) == 1 and runs[0][0].shape == (60,) and torch.equal(runs[0][1], buffer)
+    runs[0][0].copy_(runs[0][1])
+    assert torch.equal(experts.reshape(-1), buffer)  # written through the merged view
+    # a gap (expert 2 skipped), another tensor, and slots out of step each start a new run
+    assert len(coalesce([(experts[0], slots[0]), (experts[1], slots[1]), (experts[3], slots[2])])) == 2
+    assert len(coalesce([(experts[0], slots[0]), (other[1], slots[1])])) == 2
+    assert len(coalesce([(experts[0], slots[0]), (experts[1], slots[2])])) == 2
+    # column blocks are not contiguous: never merged
+    assert len(coalesce([(experts[0][:, :2], slots[0][:, :2]), (experts[1][:, :2], slots[1][:, :2])])) == 2
+    assert coalesce([]) == []

@@ -26,7 +26,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.optim.adamw import adamw as adamw_functional
 
-from titan_muon.algorithm.update import Elementwise, local_shard
+from titan_muon.algorithm.update import Elementwise, coalesce, local_shard
 from titan_muon.exchange.engine import MemoryAccount, StepFailure
 
 
@@ -118,7 +118,8 @@ def apply_updates(updates: list[tuple[object, Tensor, Tensor]], elementwise: Ele
         targets.append(target)
         group_updates.append(update)
     for group, targets, group_updates in by_group.values():
-        elementwise.decay_and_step_(targets, group_updates, float(group["lr"]), group["weight_decay"])  # a device lr: one host read
+        targets, group_updates = zip(*coalesce(list(zip(targets, group_updates))))  # adjacent blocks: one pass per run
+        elementwise.decay_and_step_(list(targets), list(group_updates), float(group["lr"]), group["weight_decay"])  # a device lr: one host read
 
 
 def adamw_step_device(p: Tensor, implementation: str) -> torch.device:

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from titan_muon.algorithm.commit import StepWork, apply_updates, staged_state
 from titan_muon.algorithm.orthogonalizer import Orthogonalizer
-from titan_muon.algorithm.update import Elementwise
+from titan_muon.algorithm.update import Elementwise, coalesce
 from titan_muon.exchange.engine import ExchangeEngine, StepFailure
 from titan_muon.exchange.params import MuonParam
 from titan_muon.exchange.plan import Piece, Unit
@@ -56,7 +56,7 @@ class MatrixStep:
             scales = early.scales if early is not None else {}
             self.work.held += engine.run(
                 dtype=torch.float32 if engine.owners_hold_momentum else self.comm_dtype, return_dtype=self.comm_dtype,
-                fill=lambda piece, slot, engine=engine: self.fill(engine, piece, slot),
+                fill=lambda pairs, engine=engine: self.fill(engine, pairs),
                 receive=lambda r, piece, update, engine=engine: self.receive(engine, piece, update),
                 failure=self.failure, memory=self.work.memory,
                 orthogonalize=lambda r, batches, s=s, engine=engine: self.orthogonalize(s, engine, r, batches, scales.get(r, {})),
@@ -72,25 +72,30 @@ class MatrixStep:
 
     # ------------------------------------------------------------------ shard side
 
-    def fill(self, engine: ExchangeEngine, piece: Piece, out: Tensor) -> None:
-        entry = self.params[engine.units[piece.unit].param]
-        p = entry.param
-        if id(p) in self.verdict.skipped:
-            out.zero_()
-        elif engine.owners_hold_momentum:
-            out.copy_(local_piece(entry.stack(p.grad), piece))
-        else:
-            if entry.index not in self.momenta:
-                self.momenta[entry.index] = entry.stack(self.storage.load(self.state[p]))
-                if self.storage.name != "fp32":  # a decoded copy, held for the rest of the exchange
-                    self.work.memory.add(self.momenta[entry.index].numel() * 4)
-            grad = local_piece(entry.stack(p.grad), piece)
-            momentum = local_piece(self.momenta[entry.index], piece)
-            if self.streaming and self.storage.name == "fp32":  # no rollback to protect: the commit's lerp is done here
-                self.elementwise.momentum_and_nesterov_input_(momentum, out, grad, entry.group["momentum"], entry.group["nesterov"])
-                self.work.momentum_written.add(entry.index)
+    def fill(self, engine: ExchangeEngine, pairs: list[tuple[Piece, Tensor]]) -> None:
+        nesterov: dict[int, list[tuple[Tensor, Tensor, Tensor]]] = {}  # per parameter: (slot, gradient block, momentum block)
+        for piece, out in pairs:
+            entry = self.params[engine.units[piece.unit].param]
+            p = entry.param
+            if id(p) in self.verdict.skipped:
+                out.zero_()
+            elif engine.owners_hold_momentum:
+                out.copy_(local_piece(entry.stack(p.grad), piece))
             else:
-                self.elementwise.nesterov_input_into(out, grad, momentum, entry.group["momentum"], entry.group["nesterov"])
+                if entry.index not in self.momenta:
+                    self.momenta[entry.index] = entry.stack(self.storage.load(self.state[p]))
+                    if self.storage.name != "fp32":  # a decoded copy, held for the rest of the exchange
+                        self.work.memory.add(self.momenta[entry.index].numel() * 4)
+                nesterov.setdefault(entry.index, []).append((out, local_piece(entry.stack(p.grad), piece), local_piece(self.momenta[entry.index], piece)))
+        for index, blocks in nesterov.items():
+            entry = self.params[index]
+            beta, use_nesterov = entry.group["momentum"], entry.group["nesterov"]
+            for out, grad, momentum in coalesce(blocks):  # adjacent blocks (an EP rank's experts): one pass per run
+                if self.streaming and self.storage.name == "fp32":  # no rollback to protect: the commit's lerp is done here
+                    self.elementwise.momentum_and_nesterov_input_(momentum, out, grad, beta, use_nesterov)
+                    self.work.momentum_written.add(index)
+                else:
+                    self.elementwise.nesterov_input_into(out, grad, momentum, beta, use_nesterov)
 
     def receive(self, engine: ExchangeEngine, piece: Piece, update: Tensor) -> None:
         entry = self.params[engine.units[piece.unit].param]

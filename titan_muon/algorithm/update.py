@@ -55,6 +55,38 @@ def update_scale(adjust_lr_fn: str | None, rows: int, cols: int) -> float:
     raise ValueError(f"unknown adjust_lr_fn {adjust_lr_fn!r}; expected None or one of {ADJUST_LR_FNS}")
 
 
+def _root(t: Tensor) -> Tensor:
+    return t if t._base is None else t._base
+
+
+def _continues(previous: Tensor, t: Tensor) -> bool:
+    """t starts where `previous` ends, in the same tensor's memory, both contiguous."""
+    return (_root(t) is _root(previous) and t.dtype == previous.dtype and t.is_contiguous() and previous.is_contiguous()
+            and t.storage_offset() == previous.storage_offset() + previous.numel())  # fmt: skip
+
+
+def coalesce(rows: list[tuple[Tensor, ...]]) -> list[tuple[Tensor, ...]]:
+    """Consecutive rows of blocks (say a weight block and its update) merged wherever every block
+    of a row continues the previous row's block in memory: one flat view per run instead of one
+    block each, so an element-wise pass over them is one kernel per run. An EP rank's experts
+    are whole, adjacent matrices of one parameter and arrive adjacent in the exchange buffers:
+    thousands of blocks become a few runs. Reads no values; other rows stay as they are."""
+    runs: list[list[tuple[Tensor, ...]]] = []
+    for row in rows:
+        if runs and all(_continues(prev, t) for prev, t in zip(runs[-1][-1], row)):
+            runs[-1].append(row)
+        else:
+            runs.append([row])
+    merged = []
+    for run in runs:
+        if len(run) == 1:
+            merged.append(run[0])
+            continue
+        numel = sum(t.numel() for t in (row[0] for row in run))
+        merged.append(tuple(first.as_strided((numel,), (1,), first.storage_offset()) for first in run[0]))
+    return merged
+
+
 def _into(out: Tensor, value_fn, *args) -> None:
     """out ← value, computed straight into an fp32 `out` (``out=``) or rounded once into another dtype."""
     if out.dtype == torch.float32:

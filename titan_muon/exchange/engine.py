@@ -118,7 +118,7 @@ def agree_on_success(transport: Transport, failure: StepFailure, streaming: bool
     )
 
 
-Fill = Callable[[Piece, Tensor], None]  # writes one outbound piece into its slot of the send buffer
+Fill = Callable[[list[tuple[Piece, Tensor]]], None]  # writes a round's outbound pieces into their slots of the send buffer
 Orthogonalize = Callable[[int, list[Batch]], dict[int, Tensor]]  # round, owned batches -> result per unit (counted by it)
 Receive = Callable[[int, Piece, Tensor], None]  # round, outbound piece, its update (a view of the return buffer)
 
@@ -193,7 +193,7 @@ class ExchangeEngine:
 
     def launch(self, r: int, dtype: torch.dtype, fill: Fill, failure: StepFailure, memory: MemoryAccount,
                column_map: ColumnMap = piece_columns) -> Exchange:  # fmt: skip
-        """Pack round `r`'s outbound pieces (``fill`` writes each one) and start the outbound trip.
+        """Pack round `r`'s outbound pieces (``fill`` writes them, given every (piece, slot)) and start the outbound trip.
         After an error the buffer travels as it is: nothing it carries will be used."""
         tables = self.tables[r]
         send_counts, recv_counts = self.counts(r, column_map)
@@ -201,8 +201,7 @@ class ExchangeEngine:
         if failure.error is None:
             try:
                 with phase("pack"):
-                    for piece, slot in outbound_slots(tables, send, column_map):
-                        fill(piece, slot)
+                    fill(list(outbound_slots(tables, send, column_map)))
             except Exception as error:  # noqa: BLE001 - settled on every rank in agree_on_success
                 failure.record(error, f"packing round {r}")
         recv = None

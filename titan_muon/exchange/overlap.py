@@ -218,12 +218,13 @@ class BackwardOverlap:
             sums = torch.zeros(len(self.params_of[r]), SUMS, dtype=torch.float64, device=self.engine.device)
         self.launches[r] = Launch(exchange, sums, failure.error is None, without)
 
-    def _fill(self, piece, slot: Tensor) -> None:
-        index = self.engine.units[piece.unit].param
-        if self.params[index].param.grad is None:  # frozen: zeros, as step() sends them
-            slot.zero_()
-        else:
-            slot.copy_(local_piece(self._grad_stack(index), piece))
+    def _fill(self, pairs: list) -> None:
+        for piece, slot in pairs:
+            index = self.engine.units[piece.unit].param
+            if self.params[index].param.grad is None:  # frozen: zeros, as step() sends them
+                slot.zero_()
+            else:
+                slot.copy_(local_piece(self._grad_stack(index), piece))
 
     def _sums_now(self, index: int) -> Tensor:
         """The sums of a parameter's gradient block; zeros without a gradient."""
@@ -319,7 +320,7 @@ class BackwardOverlap:
             superseded = self.launches.pop(r, None)
             if superseded is not None:
                 superseded.exchange.wait()
-            exchange = self.engine.launch(r, torch.float32, lambda piece, slot: slot.zero_(), StepFailure(), MemoryAccount())
+            exchange = self.engine.launch(r, torch.float32, lambda pairs: [slot.zero_() for _, slot in pairs], StepFailure(), MemoryAccount())
             self.launches[r] = Launch(exchange, torch.zeros(0, dtype=torch.float64, device=device), False)
             self.started.append(r)
 

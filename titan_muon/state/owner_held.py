@@ -69,9 +69,10 @@ def shards_to_blocks(storage, params: Sequence, engine: ExchangeEngine, states: 
         for key in storage.tensor_keys:
             columns = _column_map(storage, engine, lambda p: _state(states, params, engine, p, key).shape[-1])
 
-            def fill(piece: Piece, slot: Tensor, key=key) -> None:
-                entry = params[engine.units[piece.unit].param]
-                slot.copy_(local_piece(entry.stack(states[entry.param][key]), piece))
+            def fill(pairs: list[tuple[Piece, Tensor]], key=key) -> None:
+                for piece, slot in pairs:
+                    entry = params[engine.units[piece.unit].param]
+                    slot.copy_(local_piece(entry.stack(states[entry.param][key]), piece))
 
             dtype = _state(states, params, engine, None, key).dtype
             received = engine.launch(r, dtype, fill, failure, MemoryAccount(), columns).wait()
