@@ -600,12 +600,15 @@ FINDINGS = """## What the replay shows
   Muon element). With the passes compiled (one kernel each), arrivals fed to NS in their wire dtype
   and NS's result scaled in its own dtype (42 bytes per element beyond NS), and NS as the H100
   measured it fastest (standard bf16 on Qwen3's 768 × 2048 experts, fp16 Gram on Kimi K2's 2048 ×
-  7168 ones), Qwen3's busiest rank computes 79.9 ms: 48.1 ms of NS and 31.8 ms of other work.
-  Kimi K2's busiest stage: 126.3 ms of NS, 32.3 ms of other work. **The host is Qwen3's risk**:
-  8,252 kernels per rank cost 60 ms of host time at the model's 7 µs per launch, hidden under the
-  compute; at the 18.5 µs per kernel the lent H100's host took (eager PyTorch on a virtualized host,
-  `--launch-us 18.5`), the step is host-bound at 159.1 ms (Llama-3 8B: 124.5 ms, Kimi K2's stage 0:
-  143.7 ms, both still compute-bound). What is left: the commit's momentum lerp, which
+  7168 ones), Qwen3's busiest rank computes 77.6 ms: 48.1 ms of NS and 29.5 ms of other work.
+  Kimi K2's busiest stage: 126.3 ms of NS, 32.3 ms of other work. **Launches**: an EP rank holds
+  thousands of whole expert matrices, and one element-wise pass per matrix made Qwen3's busiest
+  rank launch 8,252 kernels (60 ms of host time at the model's 7 µs; host-bound at 159.1 ms with
+  the 18.5 µs per kernel the lent H100's host took). Adjacent blocks now share one pass
+  (`update.coalesce`: the experts lie side by side in the parameter and in the exchange buffers):
+  4,298 kernels, 32.8 ms of host time; with `--launch-us 18.5` the step is 86.1 ms, host and
+  compute about even (Llama-3 8B: 124.5 ms, Kimi K2's stage 0: 143.7 ms, both compute-bound).
+  What is left: the commit's momentum lerp, which
   recomputes what packing computed (writing it there needs the streaming step), and the NS
   phase's casts (docs/performance.md, "Bytes per Muon element").
 
