@@ -25,8 +25,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from replay import Hardware  # noqa: E402
-from step_trace import trace_kernels  # noqa: E402
+from replay import Hardware, replay  # noqa: E402
+from step_trace import Trace, trace_kernels  # noqa: E402
 
 from titan_muon.algorithm import newton_schulz  # noqa: E402
 from titan_muon.algorithm.newton_schulz import orthogonalize  # noqa: E402
@@ -41,16 +41,12 @@ MEASURED_SPLIT_MIN = 512  # the crossover run split symmetric products from 512 
 
 
 def modelled_seconds(hardware: Hardware, batch: int, m: int, n: int, dtype: torch.dtype, algorithm: str, split: bool) -> tuple[float, int]:
-    """(seconds, kernels) of one orthogonalize call replayed on one stream."""
+    """(seconds, kernels) of one orthogonalize call, replayed by scripts/replay.py as one rank's trace."""
     shape = (batch, m, n) if batch > 1 else (m, n)
     split_min = MEASURED_SPLIT_MIN if split else 1 << 30
     with mock.patch.object(newton_schulz, "symmetric_split_min", lambda device_type: split_min):
         kernels = trace_kernels(lambda: orthogonalize(torch.empty(*shape, device="meta"), 5, "polar_express", dtype, algorithm=algorithm))
-    host = device = 0.0
-    for kernel in kernels:
-        host += hardware.launch_s
-        device = max(device, host) + hardware.kernel_s(kernel)
-    return device, len(kernels)
+    return replay([Trace(0, kernels)], hardware)[0].finish_s, len(kernels)
 
 
 def main() -> None:
