@@ -287,3 +287,31 @@ def test_demo_adamw_choice_is_checked_in_toml(tmp_path):
     toml.write_text(Path(MUON_TOML).read_text().replace("\ndemo = false ", '\ndemo = true\ndemo_adamw = "topk"\n#', 1))
     with pytest.raises(ValueError, match=r"\[optimizer\] demo_adamw"):
         validate_optimizer_config(parse(toml=str(toml)).optimizer)
+
+
+def test_launcher_ends_the_process_only_after_a_successful_run_has_closed(monkeypatch):
+    # titan_muon/torchtitan/teardown.py: the launched trainer skips the teardown where a rank now
+    # and then aborted, but only once the run succeeded and closed; a failed run must tear down
+    # as usual so its error reaches torchrun.
+    from titan_muon.torchtitan.v022 import trainer as v022_trainer
+
+    events = []
+    monkeypatch.setattr(v022_trainer, "exit_now", lambda: events.append("exit"))
+    monkeypatch.setattr(v022_trainer.Trainer, "close", lambda self: events.append("close"))
+
+    def failing_train(self):
+        raise RuntimeError("step 3 failed")
+
+    monkeypatch.setattr(v022_trainer.Trainer, "train", failing_train)
+    failed = object.__new__(v022_trainer.LauncherTrainer)  # the stock trainer's __init__ needs a job
+    with pytest.raises(RuntimeError, match="step 3 failed"):
+        failed.train()
+    failed.close()
+    assert events == ["close"]
+
+    events.clear()
+    monkeypatch.setattr(v022_trainer.Trainer, "train", lambda self: events.append("train"))
+    finished = object.__new__(v022_trainer.LauncherTrainer)
+    finished.train()
+    finished.close()
+    assert events == ["train", "close", "exit"]

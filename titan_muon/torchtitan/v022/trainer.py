@@ -22,6 +22,7 @@ from titan_muon.torchtitan.checkpoint import check_before_resume, checkpoint_io_
 from titan_muon.torchtitan.config import validate_optimizer_config
 from titan_muon.torchtitan.qk_clip import record_only_stage_forwards, use_context_parallel_load_balancer
 from titan_muon.torchtitan.replicas import demo_enabled, replica_tokens
+from titan_muon.torchtitan.teardown import exit_now
 from titan_muon.torchtitan.v022.pipeline import check_pipeline_loss, set_global_valid_tokens
 
 
@@ -74,8 +75,25 @@ class Trainer(TorchTitanTrainer):
             raise checkpoint_io_error(error, self.checkpointer.folder) from error
 
 
+class LauncherTrainer(Trainer):
+    """The trainer ``run`` starts: once a successful run has closed, the process ends at once
+    instead of tearing down (titan_muon/torchtitan/teardown.py). A run that raised tears down as
+    usual, so its error reaches torchrun."""
+
+    succeeded = False
+
+    def train(self):
+        super().train()
+        self.succeeded = True
+
+    def close(self) -> None:
+        super().close()
+        if self.succeeded:
+            exit_now()
+
+
 def run() -> None:
     """Train with the command line's arguments (torchtitan's ``main``), on CPU/gloo without CUDA."""
     if cpu.should_use_cpu():
         cpu.use_cpu_device()
-    main(Trainer)
+    main(LauncherTrainer)

@@ -35,7 +35,6 @@ the CPU shims too; add ``--override.imports titan_muon.torchtitan.v030.optimizer
 Either way the run is torchtitan's (build, train or seed checkpoint, close).
 """
 
-import logging
 import os
 import sys
 import tomllib
@@ -50,6 +49,7 @@ from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
 from torchtitan.tools.logging import init_logger, logger
 
 from titan_muon.torchtitan.config import validate_optimizer_config
+from titan_muon.torchtitan.teardown import exit_now
 from titan_muon.torchtitan.v030 import cpu
 from titan_muon.torchtitan.v030.config_registry import trainer_config
 from titan_muon.torchtitan.v030.optimizer import MuonOptimizersContainer
@@ -223,9 +223,8 @@ def main(argv: list[str] | None = None, exit_when_done: bool = False) -> None:
     """Build the config from ``argv`` (default ``sys.argv[1:]``) and run torchtitan 0.3.0's trainer.
 
     ``exit_when_done`` (the ``python -m titan_muon.train`` entry point): after a successful run and
-    the trainer's close, end the process at once (``os._exit(0)``) instead of tearing down the
-    process group and the interpreter, where a non-zero rank now and then aborted with SIGABRT on
-    0.3.0 + torch 2.13, failing a finished run in torchrun's report (docs/torchtitan.md)."""
+    the trainer's close, end the process at once instead of tearing down the process group and the
+    interpreter (titan_muon/torchtitan/teardown.py)."""
     init_logger()
     cpu.add_set_timeout()
     config = as_muon_trainer(parse(sys.argv[1:] if argv is None else argv))  # a stock recipe gets the shims too
@@ -251,17 +250,9 @@ def main(argv: list[str] | None = None, exit_when_done: bool = False) -> None:
         if trainer is not None:
             trainer.close()
         if succeeded and exit_when_done:
-            _exit_at_once()
+            exit_now()
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
-
-
-def _exit_at_once() -> None:
-    """Exit 0 now: everything the run writes is closed (metrics, checkpoints); flush the logs."""
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 if __name__ == "__main__":
