@@ -16,6 +16,7 @@ from torch.distributed.tensor._utils import _compute_local_shape_and_global_offs
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from titan_muon.algorithm.newton_schulz import newton_schulz_flops
+from titan_muon.buffers import FreshBuffers
 from titan_muon.exchange.layout import RankGrid, as_stack_shape, box_numel, chunk_range, sharding_of
 from titan_muon.exchange.plan import Unit, build_plan, build_rounds, elements_sent, rank_tables, shard_rows
 from titan_muon.exchange.redistribute import assemble, disassemble, local_piece, outbound_slots
@@ -218,7 +219,7 @@ def _simulate(shapes, mesh_shape, placements, blocks=None, round_bytes=4096):
                     assert torch.equal(matrix, full[unit.param][unit.matrix, unit.row_start : unit.row_end])
                     results[(r, u)] = matrix * 2  # stand-in for Newton-Schulz
         backs = [
-            disassemble(tables[r][b], {u: m for (o, u), m in results.items() if o == r}, torch.float32, "cpu")
+            disassemble(tables[r][b], {u: m for (o, u), m in results.items() if o == r}, torch.float32, FreshBuffers("cpu"))
             for r in range(world)
         ]
         for r in range(world):

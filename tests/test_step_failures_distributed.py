@@ -115,13 +115,14 @@ def _clean(rank, world, overrides):
         (3, "titan_muon.algorithm.orthogonalizer:orthogonalize", 2, {"momentum_dtype": "bf16"}),
         (3, "titan_muon.algorithm.update:_into", 0, {}),
         (2, "titan_muon.algorithm.update:_into", 1, {"rounds_in_flight": 1}),
-        (3, "titan_muon.exchange.engine:torch", 1, {}),  # allocating an exchange buffer: recorded, retried once
+        (3, "titan_muon.buffers:torch", 1, {}),  # allocating an exchange buffer: recorded, retried once
         (2, "titan_muon.exchange.engine:assemble", 0, {}),
         (3, "titan_muon.algorithm.commit:staged_state", 2, {"momentum_dtype": "fp8"}),
     ],
     ids=["ns-W2", "ns-W3-bf16-momentum", "packing-W3", "packing-W2-window1", "exchange-buffer-W3", "assemble-W2", "staging-fp8-W3"],
 )
 def test_failure_on_one_rank_raises_everywhere_and_changes_nothing(tmp_path, world, where, failing_rank, overrides):
+    overrides = {"commit": "atomic", **overrides}  # the default streams; tests/test_streaming_commit.py has its failures
     results = run_distributed(_fail_once, world, where, failing_rank, str(tmp_path), overrides, timeout=240)
     clean = run_distributed(_clean, world, overrides, timeout=240)
     for rank, result in enumerate(results):
@@ -133,5 +134,24 @@ def test_failure_on_one_rank_raises_everywhere_and_changes_nothing(tmp_path, wor
         assert result["unchanged"], f"rank {rank} changed state before the error"
         for name in SHAPES:
             # Bit-identical math: the failed step left no trace.
+            assert torch.equal(result["retried"][name], clean[0][name]), (rank, name)
+            assert torch.equal(result["resumed"][name], clean[0][name]), (rank, name)
+
+
+def test_a_reservation_that_fails_on_one_rank_raises_everywhere_before_anything_is_written(tmp_path):
+    # commit="auto" with fp32 momentum on the shards streams, and reserves the step's memory
+    # before the gradient verdict (titan_muon/exchange/reservation.py). The reservation is the
+    # first torch.empty of titan_muon.algorithm.matrix_step; failing on rank 1, it rides the
+    # verdict's all-reduce, so every rank raises before any round is written.
+    overrides = {"commit": "auto"}
+    results = run_distributed(_fail_once, 3, "titan_muon.algorithm.matrix_step:torch", 1, str(tmp_path), overrides, timeout=240)
+    clean = run_distributed(_clean, 3, overrides, timeout=240)
+    for rank, result in enumerate(results):
+        kind, message = result["outcome"]
+        assert kind == "RuntimeError", (rank, result["outcome"])
+        assert "1 rank(s) could not reserve the memory of a streaming step" in message and "nothing was changed" in message
+        assert ("injected failure" in message) == (rank == 1), message
+        assert result["unchanged"], f"rank {rank} changed state before the error"
+        for name in SHAPES:
             assert torch.equal(result["retried"][name], clean[0][name]), (rank, name)
             assert torch.equal(result["resumed"][name], clean[0][name]), (rank, name)

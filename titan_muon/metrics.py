@@ -32,8 +32,8 @@ def step_metrics(work, timer: StepTimer, engines, skipped_steps: int, early: lis
         **overlap_metrics(early),
         **(replicas.metrics() if replicas is not None else {}),
     }
-    if work.update_sq:
-        metrics["muon/update_rms"] = (torch.stack(work.update_sq).sum() / work.update_numel).sqrt()
+    if work.update_numel:
+        metrics["muon/update_rms"] = (work.update_sq / work.update_numel).sqrt()
         metrics["muon/update_elements"] = float(work.update_numel)
     return metrics
 

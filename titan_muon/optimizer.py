@@ -1,27 +1,22 @@
 """titan_muon.Muon: Muon for hidden matrices and AdamW for the rest, in one optimizer.
 
 One step, top-down (``step``):
-  1. agree on the gradients (one small all-reduce, one host read): a missing or non-finite
-     gradient stops or skips the step on every rank alike, before anything changes;
-  2. exchange (exchange.py): in owner-balanced rounds each rank sends its pieces of every
-     matrix — Nesterov momentum, or with momentum on the owners the raw gradient — to the
-     matrix's owner; each owner orthogonalizes its matrices once, batched by shape, and the
-     scaled updates come back. Matrices a rank holds whole take the same path without
-     collectives (a one-rank exchange);
-  3. stage: everything the commit would allocate (new low-precision momentum) is computed;
-  4. agree that every rank got through 2–3 (one tiny all-reduce, one host read); if a rank
-     failed, every rank raises the same error and nothing has changed;
-  5. commit, which allocates nothing: momentum, weight decay and the update on the local
-     blocks; AdamW groups.
+  1. reserve: a streaming step's buffers are all cut from memory reserved now (exchange/reservation.py);
+  2. agree on the gradients and the reservation (one small all-reduce, one host read): a missing or
+     non-finite gradient, or a rank that could not reserve, stops or skips the step on every rank
+     alike, before anything changes;
+  3. exchange (exchange/engine.py): in owner-balanced rounds each rank sends its pieces of every
+     matrix (Nesterov momentum; with momentum on the owners, the raw gradient) to its owner, which
+     orthogonalizes it once, batched by shape; the scaled updates come back, and a streaming step
+     writes each round as it returns. Matrices held whole take the same path without collectives;
+  4. stage what the commit would allocate (new low-precision momentum); agree that every rank got
+     through (one tiny all-reduce, one host read), else every rank raises the same error;
+  5. commit, which allocates nothing: momentum, weight decay and the update on the local blocks; AdamW.
 
-With ``demo=True`` (DeMo, demo_step.py) the optimizer also owns the replicate dimension: the
-owners exchange compressed momentum with their counterparts in the other replicas in step 2,
-AdamW gradients are averaged over the replicas, and both agreements span every replica.
-
-Parameters are plain tensors (one process, or replicated) or DTensors whose placements give
-every rank one block of each matrix (params.py, layout.py). The plan (owners, rounds, split
-sizes) is a pure function of shapes and placements (plan.py), so a run on any layout
-computes what the one-process run computes.
+With ``demo=True`` (DeMo, demo/step.py) the owners also exchange compressed momentum across the
+replicas, AdamW gradients are averaged over them, and both agreements span every replica. The plan
+(owners, rounds, split sizes) is a pure function of shapes and placements (plan.py), so a run on
+any layout computes what the one-process run computes.
 """
 
 from __future__ import annotations
@@ -34,7 +29,7 @@ from torch.optim import Optimizer
 
 from titan_muon import settings
 from titan_muon.algorithm.commit import StepWork, adamw_step, commit, refuse_after_partial_step, stage_momentum
-from titan_muon.algorithm.matrix_step import MatrixStep
+from titan_muon.algorithm.matrix_step import MatrixStep, reserve_rounds
 from titan_muon.algorithm.orthogonalizer import Orthogonalizer
 from titan_muon.algorithm.update import Elementwise
 from titan_muon.attention.split import RowBlocks
@@ -69,8 +64,9 @@ class Muon(Optimizer):
         adamw_betas, adamw_eps, adamw_implementation ("fused", "foreach", "for-loop");
         exchange_memory_mb: per-GPU MiB for the exchange buffers of the rounds in flight
             (8192); an owner always takes at least one matrix per round;
-        commit: "atomic" (nothing written until every rank succeeded) or "streaming" (each
-            round's weights written as it returns: no rank holds every update; commit.py);
+        commit: "auto" ("streaming" where the step's memory can be reserved up front: fp32 momentum
+            on the shards, one pipeline stage; else "atomic"), "atomic" (nothing written until every
+            rank succeeded) or "streaming" (each round's weights written as it returns; commit.py);
         rounds_in_flight (2); bucket_size_mb, buckets_in_flight: their deprecated names;
         nonfinite_grads: "raise" or "skip" the step, on every rank (``last_step_skipped``);
         row_blocks: Muon Split, FQN patterns -> row-block sizes (one block per head);
@@ -108,7 +104,7 @@ class Muon(Optimizer):
         bucket_size_mb: float | None = None,
         buckets_in_flight: int | None = None,
         nonfinite_grads: str = "raise",
-        commit: str = "atomic",
+        commit: str = "auto",
         row_blocks: Mapping[str, RowBlocks] | None = None,
         overlap: bool = False,
         momentum_dtype: str = "fp32",
@@ -246,17 +242,19 @@ class Muon(Optimizer):
         timer.start("step")
         checkpoint.create_state(self)
         align_gradient_placements(self.param_groups)
+        (streaming, reserves), failure, work = self.commit_plan, StepFailure(), StepWork(update_sq=torch.zeros((), device=self.device))
+        with phase("reserve"):  # a streaming step's memory, before anything is agreed or written
+            reserved, unreserved = reserve_rounds(self.engines, self.muon_params, self.newton_schulz, self.comm_dtype, work.memory) if reserves else (None, None)
         with phase("check_gradients"):
-            verdict = self._agree_on_gradients()
+            verdict = self._agree_on_gradients(unreserved)
         if verdict.skip_step:
             return loss
-        failure, work, streaming = StepFailure(), StepWork(), self.commit_mode == "streaming"
         if self.replicas is not None:
             with phase("demo_adamw_average"):
                 self.replicas.begin_step()
                 self.replicas.average_adamw_gradients(self.param_groups, self.state, failure, work)
         MatrixStep(self.muon_params, self.state, self.owner_blocks, self.storage, self.comm_dtype, self.newton_schulz,
-                   self.elementwise, self.replicas, verdict, failure, timer, work, streaming).run(self.engines)  # fmt: skip
+                   self.elementwise, self.replicas, verdict, failure, timer, work, streaming, reserved).run(self.engines)  # fmt: skip
         with phase("stage_commit"):
             stage_momentum(self.storage, self._with_gradients(verdict, False), self.state, work, failure)
         with phase("agree_on_success"):
@@ -272,11 +270,18 @@ class Muon(Optimizer):
         self._set_metrics(step_metrics(work, timer, self.engines, self.skipped_steps, verdict.early, momentum, self.storage, self.replicas))
         return loss
 
-    def _agree_on_gradients(self) -> Verdict:
-        """Every rank's verdict on missing and non-finite gradients (verdict.py); a skipped step
-        counts and reports only what overlap sent during its backward."""
+    @property
+    def commit_plan(self) -> tuple[bool, bool]:
+        """(whether steps write each round as it returns, whether they reserve their memory first): settings.commit_plan."""
+        reservable = self.storage.name == "fp32" and not self.owner_momentum and self.pipeline is None and bool(self.engines)
+        return settings.commit_plan(self.commit_mode, reservable)
+
+    def _agree_on_gradients(self, unreserved: str | None = None) -> Verdict:
+        """Every rank's verdict on missing and non-finite gradients and on the reservation (verdict.py);
+        a skipped step counts and reports only what overlap sent during its backward."""
         params = [p for g in self.param_groups for p in g["params"]]
-        verdict = agree_on_gradients(params, lambda i: self._names[i], self.transport, self._overlaps, self.nonfinite_grads, self.pipeline)
+        verdict = agree_on_gradients(params, lambda i: self._names[i], self.transport, self._overlaps, self.nonfinite_grads, self.pipeline,
+                                     unreserved)  # fmt: skip
         self.last_step_skipped = verdict.skip_step
         if verdict.skip_step:
             self.skipped_steps += 1

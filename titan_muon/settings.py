@@ -106,10 +106,20 @@ def exchange_memory(exchange_memory_mb: float | None, bucket_size_mb: float | No
     return float(exchange_memory_mb), rounds_in_flight
 
 
-COMMIT_MODES = ("atomic", "streaming")
+COMMIT_MODES = ("auto", "atomic", "streaming")
 
 
-def check_options(ns_dtype: str, comm_dtype: str, nonfinite_grads: str, adamw_implementation: str, commit: str = "atomic") -> None:
+def commit_plan(commit: str, reservable: bool) -> tuple[bool, bool]:
+    """(streams, reserves) for a ``commit`` setting: whether steps write each round as it returns,
+    and whether they first reserve every buffer they use (exchange/reservation.py). A step can
+    reserve when its momentum is fp32 on the shards (no overlap, no DeMo: nothing is decoded or
+    staged as rounds go) and it is one pipeline stage or model part (whose verdict alone decides
+    whether to write), on a rank with Muon matrices: `reservable`. "auto" streams exactly then."""
+    streams = commit == "streaming" or (commit == "auto" and reservable)
+    return streams, streams and reservable
+
+
+def check_options(ns_dtype: str, comm_dtype: str, nonfinite_grads: str, adamw_implementation: str, commit: str = "auto") -> None:
     resolve_ns_precision(ns_dtype, torch.device("cpu"))
     if commit not in COMMIT_MODES:
         raise ValueError(f"titan_muon.Muon: commit={commit!r}; expected one of {COMMIT_MODES}")

@@ -39,10 +39,14 @@ class StepWork:
     grads32: dict[int, Tensor] = field(default_factory=dict)  # MuonParam index -> fp32 copy of a low-precision gradient
     momentum_written: set[int] = field(default_factory=set)  # MuonParam indexes whose fp32 momentum the packing updated
     held: list = field(default_factory=list)  # return buffers the updates view: alive until the commit
-    update_sq: list[Tensor] = field(default_factory=list)  # device scalars: sums of squared lr-scaled updates
+    update_sq: Tensor | None = None  # device scalar: the sum of squared lr-scaled updates (the optimizer makes it)
     update_numel: int = 0
     ns_flops: int = 0
     memory: MemoryAccount = field(default_factory=MemoryAccount)
+
+    def __post_init__(self):
+        if self.update_sq is not None:  # alive through the step, for the metrics
+            self.memory.add(self.update_sq.numel() * self.update_sq.element_size())
 
 
 def staged_state(storage, state: dict, momentum: Tensor, stream: int, first_row: int | None, memory: MemoryAccount) -> dict:

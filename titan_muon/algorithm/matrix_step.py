@@ -24,9 +24,11 @@ from torch import Tensor
 from titan_muon.algorithm.commit import StepWork, apply_updates, staged_state
 from titan_muon.algorithm.orthogonalizer import Orthogonalizer
 from titan_muon.algorithm.update import Elementwise, coalesce
-from titan_muon.exchange.engine import ExchangeEngine, StepFailure
+from titan_muon.buffers import Buffers, cut_bytes
+from titan_muon.exchange.engine import ExchangeEngine, MemoryAccount, StepFailure
 from titan_muon.exchange.params import MuonParam
-from titan_muon.exchange.plan import Piece, Unit
+from titan_muon.exchange.plan import Piece, RoundTables, Unit
+from titan_muon.exchange.reservation import ReservedRounds, largest, reservation_bytes
 from titan_muon.exchange.redistribute import Batch, local_piece
 from titan_muon.exchange.verdict import Verdict
 from titan_muon.timing import StepTimer, phase
@@ -47,19 +49,29 @@ class MatrixStep:
     timer: StepTimer
     work: StepWork
     streaming: bool = False  # commit="streaming": weights written round by round
+    reserved: ReservedRounds | None = None  # the streaming step's memory, reserved before the verdict
     momenta: dict[int, Tensor] = field(default_factory=dict)  # decoded low-precision momentum, once per parameter
+    scratch: MemoryAccount = field(default_factory=MemoryAccount)
+
+    @property
+    def memory(self) -> MemoryAccount:
+        """Where buffers are counted: the step's account, or, when they are cut from the reservation
+        (counted whole when it was made), a scratch account."""
+        return self.scratch if self.reserved is not None else self.work.memory
 
     def run(self, engines: list[ExchangeEngine]) -> None:
         """Every rank set's rounds; last, the matrices this rank holds whole (a one-rank exchange)."""
         for s, engine in enumerate(engines):
             early = self.verdict.early[s]
             scales = early.scales if early is not None else {}
+            if self.reserved is not None:
+                self.reserved.next_engine()
             self.work.held += engine.run(
                 dtype=torch.float32 if engine.owners_hold_momentum else self.comm_dtype, return_dtype=self.comm_dtype,
                 fill=lambda pairs, engine=engine: self.fill(engine, pairs),
                 receive=lambda r, piece, update, engine=engine: self.receive(engine, piece, update),
-                failure=self.failure, memory=self.work.memory,
-                orthogonalize=lambda r, batches, s=s, engine=engine: self.orthogonalize(s, engine, r, batches, scales.get(r, {})),
+                failure=self.failure, memory=self.memory, rounds=self.reserved,
+                orthogonalize=lambda r, batches, buffers, s=s, engine=engine: self.orthogonalize(s, engine, r, batches, scales.get(r, {}), buffers),
                 key_of=lambda u, engine=engine: self.ns_key(engine.units[u]),
                 arrived=early.arrived if early is not None else None,
                 settle=(lambda r, s=s, engine=engine: self.replicas.settle(s, r, engine)) if self.replicas is not None else None,
@@ -67,8 +79,7 @@ class MatrixStep:
             )  # fmt: skip
 
     def ns_key(self, unit: Unit) -> tuple[tuple[int, int], int]:
-        """Matrices batch together when they have one shape and one param group's settings."""
-        return (unit.shape, self.params[unit.param].group_index)
+        return ns_key(self.params, unit)
 
     # ------------------------------------------------------------------ shard side
 
@@ -85,7 +96,7 @@ class MatrixStep:
                 if entry.index not in self.momenta:
                     self.momenta[entry.index] = entry.stack(self.storage.load(self.state[p]))
                     if self.storage.name != "fp32":  # a decoded copy, held for the rest of the exchange
-                        self.work.memory.add(self.momenta[entry.index].numel() * 4)
+                        self.memory.add(self.momenta[entry.index].numel() * 4)
                 nesterov.setdefault(entry.index, []).append((out, local_piece(entry.stack(p.grad), piece), local_piece(self.momenta[entry.index], piece)))
         for index, blocks in nesterov.items():
             entry = self.params[index]
@@ -110,21 +121,25 @@ class MatrixStep:
 
     # ------------------------------------------------------------------ owner side
 
-    def orthogonalize(self, s: int, engine: ExchangeEngine, r: int, batches: list[Batch], scales: dict[int, float]) -> dict[int, Tensor]:
+    def orthogonalize(self, s: int, engine: ExchangeEngine, r: int, batches: list[Batch], scales: dict[int, float],
+                      buffers: Buffers) -> dict[int, Tensor]:  # fmt: skip
+        """Each batch's scaled updates, in one result tensor per batch from `buffers`, computed
+        chunk by chunk (Orthogonalizer.chunks) with the chunk's workspace from `buffers` too."""
         results: dict[int, Tensor] = {}
-        memory = self.work.memory
+        memory = self.memory
         inputs = self._owner_inputs(s, engine, r, batches, scales)
         # Inputs made here (the owners' Nesterov input, DeMo's) live beside the arrivals until the round's NS is done.
         made = sum(m.numel() * m.element_size() for batch, m in zip(batches, inputs) if m is not batch.matrices)
         memory.add(made)
         for batch, matrices in zip(batches, inputs):
-            for chunk in self.newton_schulz.chunks(batch.key, matrices):
-                workspace = self.newton_schulz.workspace_bytes(batch.key, matrices[chunk])
+            out = buffers.take(matrices.shape, self.newton_schulz.result_dtype(batch.key))
+            memory.add(out.numel() * out.element_size())  # until the return buffer is packed
+            for chunk in self.newton_schulz.chunks(batch.key, len(matrices)):
+                workspace = self.newton_schulz.workspace_bytes(batch.key, chunk.stop - chunk.start)
                 memory.add(workspace)
-                out = self.newton_schulz(batch.key, matrices[chunk], self.timer, self.work)
+                self.newton_schulz(batch.key, matrices[chunk], self.timer, self.work, out=out[chunk], buffers=buffers)
                 memory.free(workspace)
-                memory.add(out.numel() * out.element_size() + 4)  # until the return buffer is packed; + the update's squared norm (metrics)
-                results.update(zip(batch.units[chunk], out.unbind(0)))
+            results.update(zip(batch.units, out.unbind(0)))
         memory.free(made)
         return results
 
@@ -161,3 +176,45 @@ class MatrixStep:
             first_row = unit.matrix * entry.param.shape[-2] + unit.row_start
             self.work.staged.append((state, staged_state(self.storage, state, new, unit.param, first_row, self.work.memory)))
         return out.to(self.comm_dtype).float() if self.comm_dtype != torch.float32 else out
+
+
+
+def ns_key(params: list[MuonParam], unit: Unit) -> tuple[tuple[int, int], int]:
+    """Matrices batch together when they have one shape and one param group's settings."""
+    return (unit.shape, params[unit.param].group_index)
+
+
+def owner_bytes(engine: ExchangeEngine, tables: RoundTables, wire: torch.dtype, params: list[MuonParam],
+                newton_schulz: Orthogonalizer) -> int:  # fmt: skip
+    """What MatrixStep.orthogonalize and the assembly before it cut from a round's owner area:
+    each batch as it arrived and its results, and the largest chunk's workspace (reservation.py).
+    Only for matrices whose momentum lives on the shards (the owners make no inputs)."""
+    counts: dict[tuple, int] = {}
+    for u in tables.owned:
+        key = ns_key(params, engine.units[u])
+        counts[key] = counts.get(key, 0) + 1
+    total, workspace = 0, 0
+    for key, count in counts.items():
+        (rows, cols), dtype = key[0], newton_schulz.result_dtype(key)
+        total += cut_bytes((count, rows, cols), wire) + cut_bytes((count, rows, cols), dtype)
+        for chunk in newton_schulz.chunks(key, count):
+            workspace = max(workspace, newton_schulz.workspace_bytes(key, chunk.stop - chunk.start, reserved=True))
+    return total + workspace
+
+
+def reserve_rounds(engines: list[ExchangeEngine], params: list[MuonParam], newton_schulz: Orthogonalizer, wire: torch.dtype,
+                   memory: MemoryAccount) -> tuple[ReservedRounds | None, str | None]:  # fmt: skip
+    """The memory of a streaming step whose momentum lives on the shards, reserved whole: one byte
+    tensor holding every engine's largest round in each region (reservation.py), counted in
+    `memory`; or (None, why) if it cannot be allocated. Made before the step's first agreement,
+    which carries the failure to every rank before anything is written."""
+    sizes = largest([engine.round_bytes(r, wire, wire, lambda tables, engine=engine: owner_bytes(engine, tables, wire, params, newton_schulz))
+                     for engine in engines for r in range(len(engine.tables))])  # fmt: skip
+    in_flight = max(engine.rounds_in_flight for engine in engines)
+    nbytes = reservation_bytes(sizes, in_flight)
+    try:
+        storage = torch.empty(nbytes, dtype=torch.uint8, device=engines[0].device)
+    except Exception as error:  # noqa: BLE001 - every rank raises in the verdict
+        return None, f"{nbytes} bytes: {type(error).__name__}: {error}"
+    memory.add(nbytes)
+    return ReservedRounds(storage, sizes, in_flight), None

@@ -24,10 +24,13 @@ scaled before it is rounded to fp16 and every intermediate stays far below fp16'
 from __future__ import annotations
 
 import functools
+import math
 from typing import Callable, NamedTuple
 
 import torch
 from torch import Tensor
+
+from titan_muon.buffers import Buffers, FreshBuffers, cut_bytes
 
 KELLER_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 
@@ -271,34 +274,33 @@ def _kernel_for(m1: Tensor) -> Callable | None:
     return symmetric_gemm_kernel(m1.device.type, m1.device.index)
 
 
-def _addmm(bias: Tensor, m1: Tensor, m2: Tensor, beta: float = 1.0, alpha: float = 1.0) -> Tensor:
+def _addmm(bias: Tensor, m1: Tensor, m2: Tensor, beta: float, alpha: float, out: Tensor) -> Tensor:
+    """out = beta·bias + alpha·(m1 @ m2); `out` may be `bias` itself."""
     if bias.ndim == 3:
-        return torch.baddbmm(bias, m1, m2, beta=beta, alpha=alpha)
-    return torch.addmm(bias, m1, m2, beta=beta, alpha=alpha)
+        return torch.baddbmm(bias, m1, m2, beta=beta, alpha=alpha, out=out)
+    return torch.addmm(bias, m1, m2, beta=beta, alpha=alpha, out=out)
 
 
-def _symmetric_addmm(bias: Tensor | None, m1: Tensor, m2: Tensor, beta: float = 1.0, alpha: float = 1.0) -> Tensor:
-    """beta·bias + alpha·(m1 @ m2), or m1 @ m2 without bias, for a product known to be symmetric:
-    the optional symmetric kernel where there is one (symmetric_gemm_kernel), else torch GEMMs."""
+def _symmetric_addmm(bias: Tensor | None, m1: Tensor, m2: Tensor, out: Tensor, beta: float = 1.0, alpha: float = 1.0) -> Tensor:
+    """beta·bias + alpha·(m1 @ m2), or m1 @ m2 without bias, into `out`, for a product known to be
+    symmetric: the optional symmetric kernel where there is one (symmetric_gemm_kernel; it returns
+    a tensor of its own), else torch GEMMs."""
     kernel = _kernel_for(m1)
     if kernel is not None:
         return kernel(m1, m2, C=bias, alpha=float(alpha), beta=float(beta) if bias is not None else 1.0)
     size = m1.size(-2)
     if size < symmetric_split_min(m1.device.type):
-        return m1 @ m2 if bias is None else _addmm(bias, m1, m2, beta, alpha)
+        return torch.matmul(m1, m2, out=out) if bias is None else _addmm(bias, m1, m2, beta, alpha, out)
     h = size // 2
-    # The three blocks are written in place into the result (GEMMs take an output with a leading
-    # dimension), and only the mirrored quarter is copied: no concatenation pass over the matrix.
-    out = torch.empty(*m1.shape[:-1], m2.size(-1), dtype=m1.dtype, device=m1.device)
 
+    # The three blocks are written in place into `out` (GEMMs take an output with a leading
+    # dimension), and only the mirrored quarter is copied: no concatenation pass over the matrix.
     def block(rows: slice, cols: slice) -> None:
         a, b, target = m1[..., rows, :], m2[..., :, cols], out[..., rows, cols]
         if bias is None:
             torch.matmul(a, b, out=target)
-        elif bias.ndim == 3:
-            torch.baddbmm(bias[..., rows, cols], a, b, beta=beta, alpha=alpha, out=target)
         else:
-            torch.addmm(bias[..., rows, cols], a, b, beta=beta, alpha=alpha, out=target)
+            _addmm(bias[..., rows, cols], a, b, beta, alpha, target)
 
     top, bottom = slice(None, h), slice(h, None)
     for rows, cols in ((top, top), (top, bottom), (bottom, bottom)):
@@ -315,32 +317,47 @@ def _symmetric_flops(rows: int, inner: int, split_min: int) -> int:
     return 2 * inner * (h * h + h * rest + rest * rest)
 
 
-def _plus_identity(matrix: Tensor, scale: float) -> Tensor:
-    """matrix + scale·I in place, rounded once: on CPU, bf16 + a Python float first rounds the float
-    to bf16 (3.4445 -> 3.4375), a systematic error in the polynomial's constant term."""
+def _plus_identity(matrix: Tensor, scale: float, diagonal32: Tensor) -> Tensor:
+    """matrix + scale·I in place, added in fp32 (in `diagonal32`) and rounded once: on CPU, bf16 + a
+    Python float first rounds the float to bf16 (3.4445 -> 3.4375), a systematic error in the
+    polynomial's constant term."""
     diagonal = matrix.diagonal(dim1=-2, dim2=-1)
-    diagonal.copy_(diagonal.to(torch.promote_types(matrix.dtype, torch.float32)) + scale)
+    diagonal.copy_(diagonal32.copy_(diagonal).add_(scale))
     return matrix
 
 
-def standard_iterations(x: Tensor, schedule: list[tuple[float, float, float]], scale: float = 1.0, transpose: bool = False) -> Tensor:
-    """X ← a·X + (b·G + c·G²)·X with G = X Xᵀ, once per (a, b, c); x is wide (rows ≤ cols).
-    The last product returns scale·X, as Xᵀ (contiguous) with `transpose`: the GEMM's own epilogue
-    scales, and (P X)ᵀ = Xᵀ Pᵀ is written in that layout, with no pass of its own."""
+def _last_product(x: Tensor, poly: Tensor, a: float, scale: float, out: Tensor) -> Tensor:
+    """out = scale·(a·X + poly·X) in the input's orientation: a tall input's out is Xᵀ = a·Xᵀ + Xᵀ·polyᵀ,
+    written by the GEMM in that layout (no transposing pass). a = 0: poly·X alone (Gram NS's Q X)."""
+    if out.size(-2) != x.size(-2):  # tall
+        x, left, right = x.mT, x.mT, poly.mT
+    else:
+        left, right = poly, x
+    if a == 0.0:
+        return _addmm(out, left, right, 0.0, scale, out)  # beta 0: out's old contents are not read
+    return _addmm(x, left, right, a * scale, scale, out)
+
+
+def standard_iterations(x: Tensor, schedule: list[tuple[float, float, float]], out: Tensor, buffers: Buffers,
+                        scale: float = 1.0) -> Tensor:  # fmt: skip
+    """X ← a·X + (b·G + c·G²)·X with G = X Xᵀ, once per (a, b, c); x is wide (rows ≤ cols) and is
+    overwritten. The last product writes scale·X into `out` (the input's orientation)."""
+    m = x.size(-2)
+    other = buffers.take(x.shape, x.dtype)
+    gram = buffers.take((*x.shape[:-1], m), x.dtype)
+    poly = buffers.take(gram.shape, x.dtype)
     for i, (a, b, c) in enumerate(schedule):
-        gram = x @ x.mT
-        poly = _addmm(gram, gram, gram, beta=b, alpha=c)
-        if i + 1 < len(schedule) or (scale == 1.0 and not transpose):
-            x = _addmm(x, poly, x, beta=a)
-        elif transpose:
-            x = _addmm(x.mT, x.mT, poly.mT, beta=a * scale, alpha=scale)
+        torch.matmul(x, x.mT, out=gram)
+        _addmm(gram, gram, gram, b, c, poly)
+        if i + 1 < len(schedule):
+            x, other = _addmm(x, poly, x, a, 1.0, other), x
         else:
-            x = _addmm(x, poly, x, beta=a * scale, alpha=scale)
-    return x
+            _last_product(x, poly, a, scale, out)
+    return out
 
 
-def gram_iterations(x: Tensor, schedule: list[tuple[float, float, float]], segments: tuple[int, ...], scale: float = 1.0,
-                    transpose: bool = False) -> Tensor:  # fmt: skip
+def gram_iterations(x: Tensor, schedule: list[tuple[float, float, float]], segments: tuple[int, ...], out: Tensor,
+                    buffers: Buffers, scale: float = 1.0) -> Tensor:  # fmt: skip
     """The same polynomial as standard_iterations, iterated on the small m×m Gram matrix.
 
     With P = a·I + B, B = b·G + c·G², one step is X ← P X and G ← P G P (P commutes with G).
@@ -352,47 +369,70 @@ def gram_iterations(x: Tensor, schedule: list[tuple[float, float, float]], segme
     whose result is X Xᵀ of the next X) compute three of their four 2×2 blocks. Q ← P Q is not
     split: P and Q commute only up to rounding, and mirroring one triangle of their product
     breaks Q X = P (Q_prev X) (measured: 10x the rounding error on low-rank fp32 inputs).
-    The last X ← Q X returns scale·X, as Xᵀ = Xᵀ Qᵀ (contiguous) with `transpose`, as
-    standard_iterations does.
+    x is overwritten; the last X ← Q X writes scale·X into `out` (the input's orientation).
     """
+    m = x.size(-2)
+    square = (*x.shape[:-1], m)
+    other = buffers.take(x.shape, x.dtype)
+    gram, poly, half, accumulated, spare = (buffers.take(square, x.dtype) for _ in range(5))
+    diagonal32 = buffers.take(square[:-1], torch.float32)
     start = 0
     for length in segments:
-        gram = _symmetric_addmm(None, x, x.mT)
-        accumulated = None
+        gram = _symmetric_addmm(None, x, x.mT, gram)
         for i, (a, b, c) in enumerate(schedule[start : start + length]):
-            poly = _symmetric_addmm(gram, gram, gram, beta=b, alpha=c)
-            if accumulated is None:
-                accumulated = _plus_identity(poly.clone(), a)
+            poly = _symmetric_addmm(gram, gram, gram, poly, beta=b, alpha=c)
+            if i == 0:
+                accumulated = _plus_identity(accumulated.copy_(poly), a, diagonal32)
             else:
-                accumulated = _addmm(accumulated, poly, accumulated, beta=a)
+                accumulated, spare = _addmm(accumulated, poly, accumulated, a, 1.0, spare), accumulated
             if i + 1 < length:
-                half = _symmetric_addmm(gram, poly, gram, beta=a)
-                gram = _symmetric_addmm(half, poly, half, beta=a)
+                half = _symmetric_addmm(gram, poly, gram, half, beta=a)
+                gram = _symmetric_addmm(half, poly, half, gram, beta=a)
         start += length
-        if start < len(schedule) or (scale == 1.0 and not transpose):
-            x = accumulated @ x
+        if start < len(schedule):
+            x, other = torch.matmul(accumulated, x, out=other), x
         else:
-            left, right = (x.mT, accumulated.mT) if transpose else (accumulated, x)
-            x = _addmm(x.new_zeros((1,) * x.ndim), left, right, beta=0.0, alpha=scale)  # beta 0: the bias is not read
-    return x
+            _last_product(x, accumulated, 0.0, scale, out)
+    return out
 
 
-def workspace_bytes(batch: int, rows: int, cols: int, algorithm: str, dtype: torch.dtype, device_type: str) -> int:
-    """Peak bytes :func:`orthogonalize` allocates for a (batch, rows, cols) input in compute dtype
-    `dtype` with a resolved `algorithm`. Per matrix (short side m, long side n, itemsize s): three
-    m × n matrices in the NS dtype — the scaled input the caller keeps, the iterate and the next one
-    (fp16's fp32 scaled copy and its fp16 rounding, 4 + 2 bytes, are the same 3·s) — and the m × m
-    products: the Gram matrix and the polynomial, and for Gram NS also the accumulated polynomial and
-    the half-updated Gram matrix; and its norm, one scalar. On CPU a batch runs one matrix at a time and is then stacked, so the
-    earlier results and the stack are alive as well. Measured against storage lifetimes:
-    tests/test_newton_schulz.py::test_workspace_bytes_bound_what_is_alive."""
-    short, long = sorted((rows, cols))
-    itemsize = dtype.itemsize
-    per_matrix = itemsize * (3 * short * long + (4 if algorithm == "gram" else 2) * short * short) + 4  # + its norm
-    if device_type == "cpu" and batch > 1:
-        result = itemsize * rows * cols
-        return max(per_matrix + (batch - 1) * result, 2 * batch * result)
-    return batch * per_matrix
+def _workspace_cuts(rows: int, cols: int, algorithm: str, dtype: torch.dtype, lead: tuple[int, ...]) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """The buffers one orthogonalize() call on a (*lead, rows, cols) input takes, in order (the
+    result excepted), for the input dtype that needs no fp32 staging; `_workspace_peak` adds fp16's."""
+    m, n = sorted((rows, cols))
+    cuts = [((*lead, 1, 1), dtype), ((*lead, m, n), dtype), ((*lead, m, n), dtype)]
+    if algorithm == "gram":
+        return cuts + [((*lead, m, m), dtype)] * 5 + [((*lead, m), torch.float32)]  # + the fp32 diagonal of P = a·I + B
+    return cuts + [((*lead, m, m), dtype)] * 2
+
+
+def _workspace_peak(rows: int, cols: int, algorithm: str, dtype: torch.dtype, lead: tuple[int, ...], size) -> int:
+    """The most one call's buffers hold at once, each cut counted as `size(shape, dtype)`. In fp16
+    the input is first scaled in an fp32 buffer, given back once rounded into the fp16 iterate and
+    before the other buffers are taken (orthogonalize)."""
+    cuts = _workspace_cuts(rows, cols, algorithm, dtype, lead)
+    held = sum(size(shape, d) for shape, d in cuts)
+    if dtype != torch.float16:
+        return held
+    (norm_shape, _), (iterate_shape, _) = cuts[:2]
+    staging = size(norm_shape, torch.float32) + size(iterate_shape, dtype) + size(iterate_shape, torch.float32)
+    return max(staging, held - size(norm_shape, dtype) + size(norm_shape, torch.float32))
+
+
+def workspace_bytes(batch: int, rows: int, cols: int, algorithm: str, dtype: torch.dtype, device_type: str, *,
+                    reserved: bool = False) -> int:  # fmt: skip
+    """Peak bytes :func:`orthogonalize` holds besides its result for a (batch, rows, cols) input in
+    compute dtype `dtype` with a resolved `algorithm`. Per matrix (short side m, long side n): two
+    m × n matrices in the NS dtype (the scaled input and the next iterate; fp16 first scales in an
+    fp32 copy, given back before the rest is taken), the m × m products — the Gram matrix and the
+    polynomial, and for Gram NS also the half-updated Gram matrix, two accumulated polynomials and
+    an fp32 diagonal — and the norm. On CPU a batch runs one matrix at a time, each writing its slice of the result.
+    ``reserved``: each buffer counted as an Arena cuts it (buffers.cut_bytes, alignment included),
+    what a reservation must hold; otherwise as allocated. Measured against storage lifetimes and an
+    Arena's high water: tests/test_newton_schulz.py."""
+    size = cut_bytes if reserved else (lambda shape, d: math.prod(shape) * d.itemsize)
+    lead = () if device_type == "cpu" or batch == 1 else (batch,)
+    return _workspace_peak(rows, cols, algorithm, dtype, lead, size)
 
 
 def orthogonalize(
@@ -404,16 +444,18 @@ def orthogonalize(
     algorithm: str = "standard",
     *,
     scale: float = 1.0,
-    contiguous: bool = False,
+    out: Tensor | None = None,
+    buffers: Buffers | None = None,
 ) -> Tensor:
     """Approximate U Vᵀ of the SVD U S Vᵀ of `matrix` (or of each matrix of a batch).
 
     algorithm: "standard", "gram" (same polynomial, iterated on the Gram matrix of the short
     side: fewer FLOPs on rectangular matrices), or "auto" (resolve_algorithm).
     dtype: the compute dtype, fp32, bf16 or fp16 (fp16: scaled in fp32 first; Gram NS restarts
-    every 2 steps, gram_segments); the result is returned in it.
-    scale: the result is scale·U Vᵀ, scaled by the last product itself. contiguous: return a
-    row-major result (a tall matrix is otherwise returned as a transposed view).
+    every 2 steps, gram_segments); the result is returned in it, contiguous, in the input's shape.
+    scale: the result is scale·U Vᵀ, scaled by the last product itself. out: where to write it.
+    buffers: where the workspace (and a result without `out`) comes from (default: allocated);
+    everything taken from it is given back before returning, except the result.
     """
     if matrix.ndim not in (2, 3):
         raise ValueError(f"orthogonalize expects a matrix or a batch of matrices, got shape {tuple(matrix.shape)}")
@@ -427,28 +469,39 @@ def orthogonalize(
             f"{peak:.3g} in {algorithm} NS, beyond fp16's safe range "
             f"({FP16_PEAK_LIMIT:.3g}); use dtype torch.bfloat16 or torch.float32 (ns_dtype 'bf16' or 'fp32')"
         )
+    buffers = buffers if buffers is not None else FreshBuffers(matrix.device)
+    if out is None:
+        out = buffers.take(matrix.shape, dtype)
+    elif out.shape != matrix.shape or out.dtype != dtype or not out.is_contiguous():
+        raise ValueError(f"orthogonalize: out must be a contiguous {tuple(matrix.shape)} {dtype} tensor")
     if matrix.ndim == 3 and matrix.device.type == "cpu":
         # CPU BLAS runs one GEMM at a time either way; 2-D addmm beats baddbmm by ~8 % (measured,
         # fp32, 1024-2816 sides). Batching pays on GPUs, where it saves kernel launches.
-        results = [orthogonalize(m, steps, method, dtype, eps, algorithm, scale=scale, contiguous=contiguous) for m in matrix]
-        return results[0].unsqueeze(0) if len(results) == 1 else torch.stack(results)  # a batch of one: no copy
+        for one, result in zip(matrix, out):
+            orthogonalize(one, steps, method, dtype, eps, algorithm, scale=scale, out=result, buffers=buffers)
+        return out
+    mark = buffers.mark()
+    wide = matrix.mT if matrix.size(-2) > matrix.size(-1) else matrix
     # fp16 cannot hold every unscaled input (a momentum of 1e-8 underflows, a sum of squares
     # overflows): scale in fp32 first, then round once to fp16.
-    x = matrix.to(torch.promote_types(matrix.dtype, torch.float32) if dtype == torch.float16 else dtype)
-    tall = x.size(-2) > x.size(-1)
-    if tall:
-        x = x.mT
+    staging = torch.promote_types(matrix.dtype, torch.float32) if dtype == torch.float16 else dtype
+    norm = buffers.take((*wide.shape[:-2], 1, 1), staging)
+    x = buffers.take(wide.shape, dtype)
+    before_staging = buffers.mark()
+    scaled = buffers.take(wide.shape, staging) if staging != dtype else x
+    scaled.copy_(wide)
     # Scale so the spectral norm is at most 1 (the Frobenius norm bounds it).
-    norm = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True)
+    torch.linalg.vector_norm(scaled, dim=(-2, -1), keepdim=True, out=norm)
     if method == "polar_express":
-        norm = norm * POLAR_EXPRESS_SAFETY
-    norm = norm.clamp(min=eps)
-    # A copy made above (another dtype) is ours to divide in place: one pass and one matrix fewer.
-    x = (x.div_(norm) if x.dtype != matrix.dtype else x / norm).to(dtype)
+        norm.mul_(POLAR_EXPRESS_SAFETY)
+    scaled.div_(norm.clamp_(min=eps))
+    if scaled is not x:
+        x.copy_(scaled)
+        buffers.release(before_staging)
     schedule = coefficient_schedule(method, steps)
-    transpose = tall and contiguous
     if algorithm == "gram":
-        x = gram_iterations(x, schedule, gram_segments(steps, dtype), scale, transpose)
+        gram_iterations(x, schedule, gram_segments(steps, dtype), out, buffers, scale)
     else:
-        x = standard_iterations(x, schedule, scale, transpose)
-    return x.mT if tall and not transpose else x
+        standard_iterations(x, schedule, out, buffers, scale)
+    buffers.release(mark)
+    return out

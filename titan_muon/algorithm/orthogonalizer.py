@@ -16,11 +16,12 @@ from titan_muon.algorithm.newton_schulz import (
     workspace_bytes,
 )
 from titan_muon.algorithm.update import update_scale
+from titan_muon.buffers import Buffers, FreshBuffers, cut_bytes
 from titan_muon.timing import StepTimer, phase
 
 
-# A batch runs through Newton–Schulz in chunks whose workspace (three copies of the chunk in the NS
-# dtype, its Gram products) stays within this, one matrix at least: NS's transient memory no longer
+# A batch runs through Newton–Schulz in chunks whose workspace (two copies of the chunk in the NS
+# dtype, its Gram products; the results are the caller's) stays within this, one matrix at least: NS's transient memory no longer
 # grows with how many equal matrices an owner holds. Large matrices lose nothing by it (one H100,
 # 2026-11-27: one 4096 × 14336 matrix takes 9.0 / 6.9 ms in standard bf16 / fp16 Gram NS, a batch
 # of 8 takes 8.8 / 6.8 ms per matrix); small ones still batch by the hundred.
@@ -55,35 +56,47 @@ class Orthogonalizer:
         """What an owner spends on one (rows, cols) matrix of `group`: the plan balances owners on this."""
         return newton_schulz_flops(rows, cols, group["ns_steps"], *self.plan(group, rows, cols), self.device.type)
 
-    def chunks(self, key: tuple, matrices: Tensor) -> list[slice]:
-        """The batch `matrices` cut into runs of equal length (the last shorter) whose workspace
-        stays within NS_CHUNK_BYTES, at least one matrix each."""
-        count = matrices.shape[0]
-        per_matrix = self.workspace_bytes(key, matrices[:1])
+    def chunks(self, key: tuple, count: int) -> list[slice]:
+        """A batch of `count` matrices cut into runs of equal length (the last shorter) whose
+        workspace stays within NS_CHUNK_BYTES, at least one matrix each."""
+        per_matrix = self.workspace_bytes(key, 1)
         size = max(1, min(count, NS_CHUNK_BYTES // max(per_matrix, 1)))
         size = -(-count // -(-count // size))  # as many chunks as needed, of even size
         return [slice(start, min(start + size, count)) for start in range(0, count, size)]
 
-    def workspace_bytes(self, key: tuple, matrices: Tensor) -> int:
-        """What orthogonalizing and scaling the batch `matrices` allocates at its peak
-        (newton_schulz.workspace_bytes: the scaled result is one of NS's own three copies)."""
+    def workspace_bytes(self, key: tuple, count: int, reserved: bool = False) -> int:
+        """What orthogonalizing a batch of `count` matrices holds at its peak besides its results
+        (newton_schulz.workspace_bytes; ``reserved``: as cut from an Arena) and the update's norm."""
         shape, group_index = key
         algorithm, dtype = self.plan(self.param_groups()[group_index], *shape)
-        return workspace_bytes(matrices.shape[0], *shape, algorithm, dtype, matrices.device.type)
+        norm = cut_bytes((), torch.float32) if reserved else 4
+        return workspace_bytes(count, *shape, algorithm, dtype, self.device.type, reserved=reserved) + norm
 
-    def __call__(self, key: tuple, matrices: Tensor, timer: StepTimer, work) -> Tensor:
+    def result_dtype(self, key: tuple) -> torch.dtype:
+        shape, group_index = key
+        return self.plan(self.param_groups()[group_index], *shape)[1]
+
+    def __call__(self, key: tuple, matrices: Tensor, timer: StepTimer, work, out: Tensor | None = None,
+                 buffers: Buffers | None = None) -> Tensor:  # fmt: skip
+        """The scaled updates of `matrices`, written into `out` (default: taken from `buffers`);
+        the workspace comes from `buffers` (default: allocated) and is given back."""
         shape, group_index = key
         group = self.param_groups()[group_index]
         steps, (algorithm, dtype) = group["ns_steps"], self.plan(group, *shape)
+        buffers = buffers if buffers is not None else FreshBuffers(matrices.device)
         timer.start("ns")
         with phase("newton_schulz"):
             # Scaled by NS's last product, row-major (the return buffer is cut from it by rows), in
             # the NS dtype: the value the wire carries anyway.
             scaled = orthogonalize(matrices, steps, group["ns_coefficients"], dtype, group["ns_eps"], algorithm,
-                                   scale=update_scale(group["adjust_lr_fn"], *shape), contiguous=True)  # fmt: skip
+                                   scale=update_scale(group["adjust_lr_fn"], *shape), out=out, buffers=buffers)  # fmt: skip
         timer.stop("ns")
         work.ns_flops += matrices.shape[0] * newton_schulz_flops(*shape, steps, algorithm, dtype, matrices.device.type)
         with phase("update_norm"):
-            work.update_sq.append(torch.linalg.vector_norm(scaled, dtype=torch.float32).square() * group["lr"] ** 2)
+            mark = buffers.mark()
+            norm = torch.linalg.vector_norm(scaled, dtype=torch.float32, out=buffers.take((), torch.float32))
+            lr = group["lr"].reshape(()) if isinstance(group["lr"], Tensor) else group["lr"]  # a one-element tensor lr
+            work.update_sq.add_(norm.square_().mul_(lr**2))
+            buffers.release(mark)
         work.update_numel += scaled.numel()
         return scaled

@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from titan_muon.buffers import Buffers, FreshBuffers, cut_bytes
 from titan_muon.exchange.layout import Sharding
 from titan_muon.exchange.plan import Piece, Plan, RoundTables, Unit, build_plan, rank_tables, send_counts_by_round
 from titan_muon.exchange.redistribute import (
@@ -49,6 +50,7 @@ from titan_muon.exchange.redistribute import (
     piece_columns,
     split_counts,
 )
+from titan_muon.exchange.reservation import RoundBuffers, RoundBytes
 from titan_muon.exchange.transport import (
     Exchange,
     Route,
@@ -119,7 +121,7 @@ def agree_on_success(transport: Transport, failure: StepFailure, streaming: bool
 
 
 Fill = Callable[[list[tuple[Piece, Tensor]]], None]  # writes a round's outbound pieces into their slots of the send buffer
-Orthogonalize = Callable[[int, list[Batch]], dict[int, Tensor]]  # round, owned batches -> result per unit (counted by it)
+Orthogonalize = Callable[[int, list[Batch], Buffers], dict[int, Tensor]]  # round, owned batches, where results go -> result per unit (counted by it)
 Receive = Callable[[int, Piece, Tensor], None]  # round, outbound piece, its update (a view of the return buffer)
 
 
@@ -168,17 +170,17 @@ class ExchangeEngine:
             return None
         return self.routes[r]
 
-    def _relay_buffers(self, failure: StepFailure, where: str) -> Callable[[int], Tensor]:
-        return lambda nbytes: self.buffer(nbytes, torch.uint8, failure, where)
+    def _relay_buffers(self, failure: StepFailure, where: str, buffers: Buffers | None) -> Callable[[int], Tensor]:
+        return lambda nbytes: self.buffer(nbytes, torch.uint8, failure, where, buffers)
 
     # ------------------------------------------------------------------ one direction
 
-    def buffer(self, numel: int, dtype: torch.dtype, failure: StepFailure, where: str) -> Tensor:
-        """A fresh exchange buffer. If the allocation fails the failure is recorded and the
-        allocation retried once: a rank that cannot allocate at all cannot take part in the
-        collective, and the other ranks would wait for it until the communicator's timeout."""
+    def buffer(self, numel: int, dtype: torch.dtype, failure: StepFailure, where: str, buffers: Buffers | None = None) -> Tensor:
+        """An exchange buffer from `buffers` (default: allocated). If that fails the failure is
+        recorded and the buffer allocated instead: a rank that cannot allocate at all cannot take
+        part in the collective, and the other ranks would wait for it until the communicator's timeout."""
         try:
-            return torch.empty(numel, dtype=dtype, device=self.device)
+            return (buffers or FreshBuffers(self.device)).take((numel,), dtype)
         except Exception as error:  # noqa: BLE001 - settled on every rank in agree_on_success
             failure.record(error, where)
             return torch.empty(numel, dtype=dtype, device=self.device)
@@ -192,12 +194,14 @@ class ExchangeEngine:
         return split_counts(tables.outbound, self.world_size, column_map), split_counts(tables.inbound, self.world_size, column_map)
 
     def launch(self, r: int, dtype: torch.dtype, fill: Fill, failure: StepFailure, memory: MemoryAccount,
-               column_map: ColumnMap = piece_columns) -> Exchange:  # fmt: skip
+               column_map: ColumnMap = piece_columns, buffers: Buffers | None = None,
+               receive_buffers: Buffers | None = None) -> Exchange:  # fmt: skip
         """Pack round `r`'s outbound pieces (``fill`` writes them, given every (piece, slot)) and start the outbound trip.
-        After an error the buffer travels as it is: nothing it carries will be used."""
+        After an error the buffer travels as it is: nothing it carries will be used. The send and relay
+        buffers come from `buffers`, the receive buffer from `receive_buffers` (default: the same)."""
         tables = self.tables[r]
         send_counts, recv_counts = self.counts(r, column_map)
-        send = self.buffer(sum(send_counts), dtype, failure, f"allocating round {r}'s send buffer")
+        send = self.buffer(sum(send_counts), dtype, failure, f"allocating round {r}'s send buffer", buffers)
         if failure.error is None:
             try:
                 with phase("pack"):
@@ -206,21 +210,39 @@ class ExchangeEngine:
                 failure.record(error, f"packing round {r}")
         recv = None
         if self.outbound.group is not None:  # a one-rank exchange receives its own buffer
-            recv = self.buffer(sum(recv_counts) * send.element_size(), torch.uint8, failure, f"allocating round {r}'s receive buffer")
+            recv = self.buffer(sum(recv_counts) * send.element_size(), torch.uint8, failure, f"allocating round {r}'s receive buffer", receive_buffers or buffers)
         exchange = self.outbound.all_to_all(send, send_counts, recv_counts, recv=recv, route=self.route(r, send_counts),
-                                            allocate=self._relay_buffers(failure, f"allocating round {r}'s relay buffers"))  # fmt: skip
+                                            allocate=self._relay_buffers(failure, f"allocating round {r}'s relay buffers", buffers))  # fmt: skip
         memory.add(exchange.nbytes)
         return exchange
 
-    def return_trip(self, r: int, back: Tensor, failure: StepFailure, column_map: ColumnMap = piece_columns) -> Exchange:
+    def return_trip(self, r: int, back: Tensor, failure: StepFailure, column_map: ColumnMap = piece_columns,
+                    buffers: Buffers | None = None) -> Exchange:  # fmt: skip
         """Start round `r`'s return trip of `back` (laid out like the inbound pieces): each rank
         receives its outbound pieces' share, in outbound order."""
         send_counts, recv_counts = self.counts(r, column_map)
         recv = None
         if self.back.group is not None:
-            recv = self.buffer(sum(send_counts) * back.element_size(), torch.uint8, failure, f"allocating round {r}'s update buffer")
-        relay = self._relay_buffers(failure, f"allocating round {r}'s return relay buffers")
+            recv = self.buffer(sum(send_counts) * back.element_size(), torch.uint8, failure, f"allocating round {r}'s update buffer", buffers)
+        relay = self._relay_buffers(failure, f"allocating round {r}'s return relay buffers", buffers)
         return self.back.all_to_all(back, recv_counts, send_counts, recv=recv, route=self.route(r, send_counts), allocate=relay)
+
+    def round_bytes(self, r: int, dtype: torch.dtype, return_dtype: torch.dtype, owner_bytes: Callable[[RoundTables], int]) -> RoundBytes:
+        """What round `r` cuts from each region of a reservation (reservation.py), as run() cuts it:
+        send, the send buffer and the relay buffers; receive, over a communicator, the receive
+        buffer; owner, ``owner_bytes(tables)`` (batches, results, workspace: the caller's); return,
+        the return buffer and, over a communicator, the buffer the updates arrive in and the relays."""
+        tables = self.tables[r]
+        wire, back = dtype.itemsize, return_dtype.itemsize
+        send, receive = cut_bytes((tables.send_numel,), dtype), 0
+        returning = cut_bytes((tables.recv_numel,), return_dtype)
+        if self.back.group is not None:
+            receive = cut_bytes((tables.recv_numel * wire,), torch.uint8)
+            returning += cut_bytes((tables.send_numel * back,), torch.uint8)
+        if self.routes is not None:
+            send += 2 * cut_bytes((self.routes[r].relay_elements(False) * wire,), torch.uint8)
+            returning += 2 * cut_bytes((self.routes[r].relay_elements(True) * back,), torch.uint8)
+        return RoundBytes(send, receive, owner_bytes(tables), returning)
 
     # ------------------------------------------------------------------ the step's round trips
 
@@ -238,6 +260,7 @@ class ExchangeEngine:
         arrived: dict[int, Exchange] | None = None,
         settle: Callable[[int], None] | None = None,
         returned: Callable[[int], None] | None = None,
+        rounds: RoundBuffers | None = None,
     ) -> list[Exchange]:
         """Every round's round trip, ``rounds_in_flight`` outbound trips ahead of the owners.
 
@@ -248,8 +271,10 @@ class ExchangeEngine:
         after an earlier failure: DeMo's owners complete their collective across replicas there.
         ``returned(r)``, if given, runs once round r's updates have all been handed to ``receive``
         (unless this rank failed before); the updates' buffer is then dropped, not held.
+        ``rounds``: where each round's buffers come from (default: allocated; reservation.py).
         """
         arrived = arrived if arrived is not None else {}  # each taken out once used, so its buffers can go
+        rounds_buffers = rounds if rounds is not None else RoundBuffers(self.device)
         self.bytes_to_owners = 0
         for exchange in arrived.values():  # both buffers stay alive until the round is waited for
             memory.add(exchange.nbytes)
@@ -261,7 +286,8 @@ class ExchangeEngine:
             nonlocal launched
             while launched < min(limit, rounds):
                 if launched not in arrived:
-                    outbound[launched] = self.launch(launched, dtype, fill, failure, memory)
+                    outbound[launched] = self.launch(launched, dtype, fill, failure, memory, buffers=rounds_buffers.send(launched),
+                                                     receive_buffers=rounds_buffers.receive(launched))  # fmt: skip
                     tables = self.tables[launched]
                     self.bytes_to_owners += dtype.itemsize * (tables.send_numel - tables.send_counts[self.rank])
                 launched += 1
@@ -274,33 +300,39 @@ class ExchangeEngine:
             exchange = arrived.pop(r) if r in arrived else outbound.pop(r)
             memory.free(exchange.nbytes - exchange.received.numel())  # the send buffer, once done
             received = exchange.wait()
-            launch_through(r + 1 + self.rounds_in_flight)  # queued before this round's NS
-            back, counted = None, 0
+            batches, batch_bytes, back, counted = None, 0, None, 0
             if failure.error is None:
                 try:
                     with phase("assemble"):
-                        batches = assemble(tables, received, self.units, key_of)
+                        batches = assemble(tables, received, self.units, key_of, rounds_buffers.owner(r))
                     batch_bytes = sum(b.matrices.numel() * b.matrices.element_size() for b in batches)
                     memory.add(batch_bytes)
-                    results = orthogonalize(r, batches)  # counts its results in `memory`
+                except Exception as error:  # noqa: BLE001 - settled on every rank in agree_on_success
+                    failure.record(error, f"assembling round {r}")
+            memory.free(exchange.received.numel())  # copied into the batches: its buffer can go
+            del exchange, received
+            launch_through(r + 1 + self.rounds_in_flight)  # queued before this round's NS
+            if len(returning) == self.rounds_in_flight:  # the oldest return, in before this round's is packed
+                held += self._receive(*returning.pop(0), receive, returned, failure, memory)
+            if batches is not None and failure.error is None:
+                try:
+                    results = orthogonalize(r, batches, rounds_buffers.owner(r))  # counts its results in `memory`
                     with phase("disassemble"):
-                        back = disassemble(tables, results, return_dtype, self.device)
+                        back = disassemble(tables, results, return_dtype, rounds_buffers.returning(r))
                     counted = back.numel() * back.element_size()  # alive beside the batches and results it is cut from
                     memory.add(counted)
-                    memory.free(batch_bytes + sum(t.numel() * t.element_size() for t in results.values()))
-                    del batches, results  # not alive through the next round's Newton-Schulz
+                    memory.free(sum(t.numel() * t.element_size() for t in results.values()))
+                    del results  # not alive through the next round's Newton-Schulz
                 except Exception as error:  # noqa: BLE001 - settled on every rank in agree_on_success
                     failure.record(error, f"Newton-Schulz of round {r}")
+            memory.free(batch_bytes)
+            del batches
             if settle is not None:
                 settle(r)
-            memory.free(exchange.received.numel())
-            del exchange, received
             if back is None:
-                back = self.buffer(tables.recv_numel, return_dtype, failure, f"allocating round {r}'s return buffer")
-            returning.append((r, self.return_trip(r, back, failure)))
+                back = self.buffer(tables.recv_numel, return_dtype, failure, f"allocating round {r}'s return buffer", rounds_buffers.returning(r))
+            returning.append((r, self.return_trip(r, back, failure, buffers=rounds_buffers.returning(r))))
             memory.add(returning[-1][1].nbytes - counted)
-            if len(returning) > self.rounds_in_flight:
-                held += self._receive(*returning.pop(0), receive, returned, failure, memory)
         for r, exchange in returning:
             held += self._receive(r, exchange, receive, returned, failure, memory)
         return held

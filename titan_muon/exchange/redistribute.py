@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from titan_muon.buffers import Buffers, FreshBuffers
 from titan_muon.exchange.plan import Piece, RoundTables, Unit
 
 ColumnMap = Callable[[Piece], tuple[int, int]]  # a piece's columns in the walked tensor
@@ -71,15 +72,11 @@ def local_piece(stack: Tensor, piece: Piece) -> Tensor:
     return stack[m, r0:r1]
 
 
-def pack(parts: Sequence[Tensor], dtype: torch.dtype, device: torch.device) -> Tensor:
-    """One flat buffer holding `parts` back to back, in `dtype`."""
-    if not parts:
-        return torch.empty(0, dtype=dtype, device=device)
+def pack(parts: Sequence[Tensor], dtype: torch.dtype, buffers: Buffers) -> Tensor:
+    """One flat buffer from `buffers` holding `parts` back to back, in `dtype`."""
     flat = [p.reshape(-1) for p in parts]
-    if all(p.dtype == dtype for p in flat):
-        return torch.cat(flat)
-    out = torch.empty(sum(p.numel() for p in flat), dtype=dtype, device=device)
-    return torch.cat(flat, out=out)
+    out = buffers.take((sum(p.numel() for p in flat),), dtype)
+    return torch.cat(flat, out=out) if flat else out
 
 
 @dataclass
@@ -96,6 +93,7 @@ def assemble(
     received: Tensor,
     units: Sequence[Unit],
     key_of: Callable[[int], Hashable],
+    buffers: Buffers | None = None,
 ) -> list[Batch]:
     """The whole matrices of the units this rank owns in the round, grouped by `key_of(unit)`,
     in the dtype they travelled in (Newton–Schulz reads them as they are: a bf16 wire feeds bf16
@@ -103,7 +101,7 @@ def assemble(
 
     `received` is the round's inbound buffer. Units whose pieces all span full rows (FSDP /
     expert sharding) are stacked with one ``torch.cat`` per batch; pieces that cover only some
-    columns (tensor parallel) are copied into place.
+    columns (tensor parallel) are copied into place. The batches come from `buffers` (default: allocated).
     """
     views: dict[int, list[tuple[Piece, Tensor]]] = defaultdict(list)
     for piece, view in inbound_slots(tables, received):
@@ -112,14 +110,15 @@ def assemble(
     for u in tables.owned:
         groups[key_of(u)].append(u)
 
+    buffers = buffers if buffers is not None else FreshBuffers(received.device)
     batches = []
     for key, members in groups.items():
         rows, cols = units[members[0]].shape
         ordered = [pv for u in members for pv in sorted(views[u], key=lambda pv: (pv[0].rows[0], pv[0].cols[0]))]
+        matrices = buffers.take((len(members), rows, cols), received.dtype)
         if all(piece.cols == (0, cols) for piece, _ in ordered):
-            matrices = torch.cat([v for _, v in ordered]).view(len(members), rows, cols)
+            torch.cat([v for _, v in ordered], out=matrices.view(-1, cols))
         else:
-            matrices = torch.empty(len(members), rows, cols, dtype=received.dtype, device=received.device)
             slot = {u: i for i, u in enumerate(members)}
             for piece, view in ordered:
                 matrices[slot[piece.unit], piece.rows[0] : piece.rows[1], piece.cols[0] : piece.cols[1]] = view
@@ -127,7 +126,7 @@ def assemble(
     return batches
 
 
-def disassemble(tables: RoundTables, results: dict[int, Tensor], dtype: torch.dtype, device: torch.device) -> Tensor:
-    """The return buffer: each source rank's pieces of the owned units' results, in inbound order."""
+def disassemble(tables: RoundTables, results: dict[int, Tensor], dtype: torch.dtype, buffers: Buffers) -> Tensor:
+    """The return buffer, from `buffers`: each source rank's pieces of the owned units' results, in inbound order."""
     parts = [results[p.unit][p.rows[0] : p.rows[1], p.cols[0] : p.cols[1]] for p in tables.inbound]
-    return pack(parts, dtype, device)  # one concatenation in inbound (slot) order
+    return pack(parts, dtype, buffers)  # one concatenation in inbound (slot) order

@@ -181,6 +181,11 @@ class Route:
     forward: Tensor
     backward: Tensor
 
+    def relay_elements(self, reverse: bool) -> int:
+        """Elements of each of the two relay buffers between the stages (Transport._two_stage):
+        what stage 1 brings, over the node forwards, over the rail backwards."""
+        return sum(self.rail_send if reverse else self.node_recv)
+
 
 def build_route(layout: NodeLayout, rank: int, send_counts: Sequence[int], recv_counts: Sequence[int],
                 mates_send_counts: Sequence[Sequence[int]], device: torch.device | str) -> Route:  # fmt: skip
@@ -312,8 +317,9 @@ class Transport:
         allocate = allocate or (lambda nbytes: torch.empty(nbytes, dtype=torch.uint8, device=self.device))
         if recv is None:
             recv = allocate(sum(second[2]) * itemsize)
-        middle = allocate(sum(first[2]) * itemsize)  # what stage 1 brings, grouped by where it came from
-        relayed = allocate(sum(first[2]) * itemsize)  # the same, grouped by where it goes
+        relay = route.relay_elements(h.reverse) * itemsize  # = sum(first[2]) * itemsize
+        middle = allocate(relay)  # what stage 1 brings, grouped by where it came from
+        relayed = allocate(relay)  # the same, grouped by where it goes
         _used_by_default_stream(recv, send)
         send_bytes = send.contiguous().view(torch.uint8)
         work = self._stage(first, middle, send_bytes, itemsize)

@@ -40,10 +40,12 @@ class Verdict:
 
 
 def agree_on_gradients(params: Sequence[Tensor], name_of: Callable[[int], str], transport: Transport, overlaps: Sequence,
-                       nonfinite_policy: str, pipeline: Transport | None = None) -> Verdict:  # fmt: skip
+                       nonfinite_policy: str, pipeline: Transport | None = None, unreserved: str | None = None) -> Verdict:  # fmt: skip
     """`params`: every parameter of the optimizer, in a fixed order; `overlaps`: per rank set its
     BackwardOverlap or None; `pipeline`: the other pipeline stages' optimizers, which must raise
-    or skip with this one (a MAX all-reduce of "any non-finite gradient", on the device)."""
+    or skip with this one (a MAX all-reduce of "any non-finite gradient", on the device);
+    `unreserved`: why this rank could not reserve its streaming step's memory (reservation.py),
+    counted in the same all-reduce so that every rank raises before anything is written."""
     grads = [None if p.grad is None else local_shard(p.grad) for p in params]
     checked = [g for g in grads if g is not None and g.numel() > 0]
     # The L2 norm is NaN/Inf iff an entry is, or iff it overflows (> 1.8e19 in fp32), where the
@@ -63,6 +65,7 @@ def agree_on_gradients(params: Sequence[Tensor], name_of: Callable[[int], str], 
     active = [o for o in overlaps if o is not None]
     sizes = [o.sums_size for o in active]
     parts += [o.gradient_sums() for o in active]
+    parts.append(torch.full((1,), 0.0 if unreserved is None else 1.0, dtype=torch.float64, device=transport.device))
     status = transport.all_reduce(torch.cat(parts))
     n = len(params)
     tail, compared = status[2 * n :], []
@@ -74,8 +77,9 @@ def agree_on_gradients(params: Sequence[Tensor], name_of: Callable[[int], str], 
     if pipeline is not None:
         found = stage_code(status[:n], status[n : 2 * n], world)
         elsewhere = [pipeline.all_reduce(found.reshape(1).clone(), torch.distributed.ReduceOp.MAX)]
-    host = torch.cat([status[: 2 * n], *compared, *elsewhere]).tolist()
+    host = torch.cat([status[: 2 * n], *compared, status[-1:], *elsewhere]).tolist()
     code = host[-1] if pipeline is not None else 0.0
+    unreserved_ranks = int(host[-1 - len(elsewhere)])
 
     missing_counts, nonfinite = host[:n], host[n : 2 * n]
     partial = [i for i, c in enumerate(missing_counts) if 0 < c < world]
@@ -108,6 +112,12 @@ def agree_on_gradients(params: Sequence[Tensor], name_of: Callable[[int], str], 
         raise FloatingPointError(
             f"titan_muon.Muon: non-finite (NaN/Inf) gradients {where}; no parameter or state was changed. "
             'Pass nonfinite_grads="skip" to skip such steps instead.'
+        )
+    if unreserved_ranks:
+        here = f"here: {unreserved}" if unreserved is not None else "this rank reserved its own"
+        raise RuntimeError(
+            f"titan_muon.Muon: {unreserved_ranks} rank(s) could not reserve the memory of a streaming step ({here}); "
+            "nothing was changed. Lower exchange_memory_mb, or pass commit='atomic'."
         )
     skipped = {id(p) for p, c in zip(params, missing_counts) if c == world}
     return Verdict(skipped=skipped, early=early)

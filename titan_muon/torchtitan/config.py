@@ -49,9 +49,8 @@ class Optimizer:
     exchange_memory_mb: float | None = None
     """Per-GPU MiB for the exchange buffers of the rounds in flight (pieces, whole matrices on
     their owners, Newton-Schulz workspace, return buffers); unset: 2048 (replayed as fast as 8192 on
-    the dense and MoE layouts of docs/scale.md at less memory; with commit = "streaming" Llama-3 8B at
-    8 GPUs peaks at 1.6 GiB). A round always holds
-    at least one matrix per owner."""
+    the dense and MoE layouts of docs/scale.md at less memory). A round always holds at least one
+    matrix per owner."""
     rounds_in_flight: int = 2
     """Owner-balanced rounds whose outbound all-to-all runs ahead of the owners' Newton-Schulz."""
     bucket_size_mb: float | None = None
@@ -75,12 +74,15 @@ class Optimizer:
     where it can (FlexAttention on CUDA) and blocks elsewhere (docs/muonclip.md)."""
     nonfinite_grads: Literal["raise", "skip"] = "raise"
     """What to do with a NaN/inf gradient: "raise" on every rank, or "skip" the step."""
-    commit: Literal["atomic", "streaming"] = "atomic"
-    """"atomic": nothing is written until every rank has succeeded (an error leaves weights and
-    state unchanged). "streaming": each round's weights are written as its updates return, so
-    no rank holds every update at once (with exchange_memory_mb = 1024: 2,424 -> 1,264 MiB per GPU on Llama-3 8B at 8 GPUs); an error
-    after the first write leaves the weights partially updated and the optimizer refuses to
-    step until a checkpoint is loaded (docs/reliability.md)."""
+    commit: Literal["auto", "atomic", "streaming"] = "auto"
+    """"streaming": each round's weights are written as its updates return, so no rank holds every
+    update at once; with fp32 momentum on the shards (no overlap, no DeMo) and one pipeline stage
+    every buffer of the step is reserved before its first agreement, so running out of memory
+    stops every rank before anything is written; another error after the first write leaves the
+    weights partially updated and the optimizer refuses to step until a checkpoint is loaded.
+    "atomic": nothing is written until every rank has succeeded (any error leaves weights and
+    state unchanged), at the cost of holding every update. "auto": streaming where the step's
+    memory is reserved, atomic elsewhere (docs/reliability.md)."""
     demo: bool = False
     """DeMo across replicas (docs/demo.md): each data_parallel_replicate replica keeps its own
     momentum and the replicas exchange only its top demo_topk DCT coefficients per demo_chunk ×

@@ -1,0 +1,121 @@
+"""The streaming step's memory, reserved before anything is written.
+
+A streaming step writes round r's weights while rounds r + 1, … are still being packed,
+orthogonalized and returned. If one of their buffers failed to allocate, the rank would be left
+half-updated. So before the step's first agreement (verdict.py, which carries whether every
+rank could reserve), each rank reserves one byte tensor sized from the plan and cuts every
+round's buffers out of it, in three regions (engine.ExchangeEngine.run):
+
+* **send**: ``rounds_in_flight`` slots, used round-robin, each holding one round's send buffer
+  and relay buffers. Round r's slot is taken again by round r + rounds_in_flight, which is packed
+  only after round r's trip was waited for.
+* **receive**: ``rounds_in_flight`` slots, each holding one round's receive buffer: round r's
+  matrices are assembled out of it before round r + rounds_in_flight is launched.
+* **owner**: one area, emptied at the start of every round: the assembled batches, their
+  Newton–Schulz results and the workspace of one chunk at a time.
+* **return**: ``rounds_in_flight`` slots, each holding one round's return buffer and the buffer
+  its updates come back in. Round r's slot is taken again by round r + rounds_in_flight, whose
+  return buffer is filled only after round r's updates were written and dropped.
+
+A slot is reused only by work queued after the work that last used it on the same stream (the
+device's default stream waits for each collective before its buffers are read), so the reuse
+holds in stream order on GPUs as on the host. The engines of several rank sets run one after
+another and share the one reservation. Sizes are the sums of each cut as an Arena takes it
+(buffers.cut_bytes), so a reservation can never be too small for the cuts it was sized for;
+an Arena that would overflow raises (a bug) instead of allocating behind its back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+
+import torch
+from torch import Tensor
+
+from titan_muon.buffers import Arena, Buffers, FreshBuffers
+
+
+class RoundBuffers:
+    """Where each round's buffers come from; this base allocates them fresh."""
+
+    def __init__(self, device: torch.device):
+        self.fresh = FreshBuffers(device)
+
+    def send(self, r: int) -> Buffers:
+        return self.fresh
+
+    def receive(self, r: int) -> Buffers:
+        return self.fresh
+
+    def owner(self, r: int) -> Buffers:
+        return self.fresh
+
+    def returning(self, r: int) -> Buffers:
+        return self.fresh
+
+
+@dataclass(frozen=True)
+class RoundBytes:
+    """What one round cuts from each region (cut_bytes sums)."""
+
+    send: int
+    receive: int
+    owner: int
+    returning: int
+
+
+class ReservedRounds(RoundBuffers):
+    """Rounds cut out of `storage`, for an engine with `rounds_in_flight`: the regions' slots
+    (module docstring), each as large as the largest round's cut from that region."""
+
+    def __init__(self, storage: Tensor, sizes: RoundBytes, rounds_in_flight: int):
+        super().__init__(storage.device)
+        self.bytes = reservation_bytes(sizes, rounds_in_flight)
+        if storage.numel() < self.bytes:
+            raise ValueError(f"a reservation of {storage.numel()} bytes cannot hold {self.bytes}")
+        self._regions, offset = {}, 0
+        for name, count in _slots(rounds_in_flight).items():
+            size = getattr(sizes, name)
+            self._regions[name] = [Arena(storage[offset + i * size : offset + (i + 1) * size]) for i in range(count)]
+            offset += count * size
+        self._taken: dict[tuple[str, int], int] = {}  # (region, slot) -> the round that last reset it
+
+    def _slot(self, name: str, r: int) -> Arena:
+        arenas = self._regions[name]
+        index = r % len(arenas)
+        arena = arenas[index]
+        if self._taken.get((name, index)) != r:  # a new round takes the slot over from the round before
+            arena.reset()
+            self._taken[(name, index)] = r
+        return arena
+
+    def send(self, r: int) -> Buffers:
+        return self._slot("send", r)
+
+    def receive(self, r: int) -> Buffers:
+        return self._slot("receive", r)
+
+    def owner(self, r: int) -> Buffers:
+        return self._slot("owner", r)
+
+    def returning(self, r: int) -> Buffers:
+        return self._slot("returning", r)
+
+    def next_engine(self) -> None:
+        """The next rank set's engine starts from empty regions (its rounds count from 0 again)."""
+        self._taken.clear()
+
+
+def _slots(rounds_in_flight: int) -> dict[str, int]:
+    return {"send": rounds_in_flight, "receive": rounds_in_flight, "owner": 1, "returning": rounds_in_flight}
+
+
+def reservation_bytes(sizes: RoundBytes, rounds_in_flight: int) -> int:
+    return sum(count * getattr(sizes, name) for name, count in _slots(rounds_in_flight).items())
+
+
+def largest(rounds: Sequence[RoundBytes]) -> RoundBytes:
+    """Per region, the most any of `rounds` cuts from it."""
+    return RoundBytes(*(max((getattr(b, f.name) for b in rounds), default=0) for f in fields(RoundBytes)))
+
