@@ -69,14 +69,14 @@ def test_streaming_drops_each_round_of_updates_once_written():
     # update until the end: four rounds more, four fp32 updates more at its peak. Streaming writes
     # each round as it returns and cuts every round's buffers out of one reservation made before
     # the step (titan_muon/exchange/reservation.py), one slot per round in flight: the send buffer
-    # (one process has no receive buffer), the owner area (the arrival, its result, NS's workspace
-    # and the update's norm) and the return buffer, whatever the number of rounds; + the 4-byte
-    # sum of squared updates (muon/update_rms).
+    # (one process has no receive buffer), the owner area (the arrival, which NS's result then
+    # overwrites, NS's workspace and the update's norm) and the return buffer, whatever the number
+    # of rounds; + the 4-byte sum of squared updates (muon/update_rms).
     from titan_muon.algorithm.newton_schulz import workspace_bytes
     from titan_muon.buffers import cut_bytes
 
     matrix = cut_bytes((64, 96), torch.float32)
-    owner = 2 * matrix + workspace_bytes(1, 64, 96, "standard", torch.float32, "cpu", reserved=True) + cut_bytes((), torch.float32)
+    owner = matrix + workspace_bytes(1, 64, 96, "standard", torch.float32, "cpu", reserved=True) + cut_bytes((), torch.float32)
     reservation = matrix + owner + matrix
     peaks = {}
     for count in (4, 8):

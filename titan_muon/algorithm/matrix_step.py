@@ -122,18 +122,26 @@ class MatrixStep:
     # ------------------------------------------------------------------ owner side
 
     def orthogonalize(self, s: int, engine: ExchangeEngine, r: int, batches: list[Batch], scales: dict[int, float],
-                      buffers: Buffers) -> dict[int, Tensor]:  # fmt: skip
-        """Each batch's scaled updates, in one result tensor per batch from `buffers`, computed
-        chunk by chunk (Orthogonalizer.chunks) with the chunk's workspace from `buffers` too."""
+                      buffers: Buffers) -> tuple[dict[int, Tensor], int]:  # fmt: skip
+        """Each batch's scaled updates and the bytes of the results counted in the memory account:
+        one result tensor per batch, the input's own memory where the dtypes have one size (NS reads
+        its input before writing), else from `buffers`; computed chunk by chunk
+        (Orthogonalizer.chunks) with the chunk's workspace from `buffers` too."""
         results: dict[int, Tensor] = {}
+        counted = 0
         memory = self.memory
         inputs = self._owner_inputs(s, engine, r, batches, scales)
         # Inputs made here (the owners' Nesterov input, DeMo's) live beside the arrivals until the round's NS is done.
         made = sum(m.numel() * m.element_size() for batch, m in zip(batches, inputs) if m is not batch.matrices)
         memory.add(made)
         for batch, matrices in zip(batches, inputs):
-            out = buffers.take(matrices.shape, self.newton_schulz.result_dtype(batch.key))
-            memory.add(out.numel() * out.element_size())  # until the return buffer is packed
+            dtype = self.newton_schulz.result_dtype(batch.key)
+            # NS reads its input before writing: the results take the arrivals' place (alive until the return buffer is packed)
+            in_place = matrices is batch.matrices and matrices.element_size() == dtype.itemsize
+            out = matrices.view(dtype) if in_place else buffers.take(matrices.shape, dtype)
+            if not in_place:
+                counted += out.numel() * out.element_size()
+                memory.add(out.numel() * out.element_size())  # until the return buffer is packed
             for chunk in self.newton_schulz.chunks(batch.key, len(matrices)):
                 workspace = self.newton_schulz.workspace_bytes(batch.key, chunk.stop - chunk.start)
                 memory.add(workspace)
@@ -141,7 +149,7 @@ class MatrixStep:
                 memory.free(workspace)
             results.update(zip(batch.units, out.unbind(0)))
         memory.free(made)
-        return results
+        return results, counted
 
     def _owner_inputs(self, s: int, engine: ExchangeEngine, r: int, batches: list[Batch], scales: dict[int, float]) -> list[Tensor]:
         """What Newton–Schulz gets for each batch: DeMo's average of the replicas' compressed
@@ -187,7 +195,8 @@ def ns_key(params: list[MuonParam], unit: Unit) -> tuple[tuple[int, int], int]:
 def owner_bytes(engine: ExchangeEngine, tables: RoundTables, wire: torch.dtype, params: list[MuonParam],
                 newton_schulz: Orthogonalizer) -> int:  # fmt: skip
     """What MatrixStep.orthogonalize and the assembly before it cut from a round's owner area:
-    each batch as it arrived and its results, and the largest chunk's workspace (reservation.py).
+    each batch as it arrived, its results where they cannot take its place, and the largest
+    chunk's workspace (reservation.py).
     Only for matrices whose momentum lives on the shards (the owners make no inputs)."""
     counts: dict[tuple, int] = {}
     for u in tables.owned:
@@ -196,7 +205,7 @@ def owner_bytes(engine: ExchangeEngine, tables: RoundTables, wire: torch.dtype, 
     total, workspace = 0, 0
     for key, count in counts.items():
         (rows, cols), dtype = key[0], newton_schulz.result_dtype(key)
-        total += cut_bytes((count, rows, cols), wire) + cut_bytes((count, rows, cols), dtype)
+        total += cut_bytes((count, rows, cols), wire) + (cut_bytes((count, rows, cols), dtype) if dtype.itemsize != wire.itemsize else 0)
         for chunk in newton_schulz.chunks(key, count):
             workspace = max(workspace, newton_schulz.workspace_bytes(key, chunk.stop - chunk.start, reserved=True))
     return total + workspace

@@ -326,37 +326,39 @@ def _plus_identity(matrix: Tensor, scale: float, diagonal32: Tensor) -> Tensor:
     return matrix
 
 
-def _last_product(x: Tensor, poly: Tensor, a: float, scale: float, out: Tensor) -> Tensor:
-    """out = scale·(a·X + poly·X) in the input's orientation: a tall input's out is Xᵀ = a·Xᵀ + Xᵀ·polyᵀ,
-    written by the GEMM in that layout (no transposing pass). a = 0: poly·X alone (Gram NS's Q X)."""
-    if out.size(-2) != x.size(-2):  # tall
-        x, left, right = x.mT, x.mT, poly.mT
-    else:
-        left, right = poly, x
+def _short_side_first(x: Tensor) -> Tensor:
+    """X as an (m, n) view, m ≤ n: a tall matrix's transpose (no copy)."""
+    return x.mT if x.size(-2) > x.size(-1) else x
+
+
+def _times_x(poly: Tensor, x: Tensor, a: float, alpha: float, out: Tensor) -> Tensor:
+    """out = alpha·(a·X + poly·X), X = _short_side_first(x), written in x's own orientation: for a
+    tall x, the transpose a·Xᵀ + Xᵀ·polyᵀ, so every iterate stays contiguous as the input is.
+    a = 0: alpha·poly·X alone (Gram NS's Q X; `out`'s old contents are not read)."""
+    tall = x.size(-2) > x.size(-1)
+    left, right = (x, poly.mT) if tall else (poly, x)
     if a == 0.0:
-        return _addmm(out, left, right, 0.0, scale, out)  # beta 0: out's old contents are not read
-    return _addmm(x, left, right, a * scale, scale, out)
+        return _addmm(out, left, right, 0.0, alpha, out)
+    return _addmm(x, left, right, a * alpha, alpha, out)
 
 
-def standard_iterations(x: Tensor, schedule: list[tuple[float, float, float]], out: Tensor, buffers: Buffers,
+def standard_iterations(x: Tensor, schedule: list[tuple[float, float, float]], spare: Tensor, buffers: Buffers,
                         scale: float = 1.0) -> Tensor:  # fmt: skip
-    """X ← a·X + (b·G + c·G²)·X with G = X Xᵀ, once per (a, b, c); x is wide (rows ≤ cols) and is
-    overwritten. The last product writes scale·X into `out` (the input's orientation)."""
-    m = x.size(-2)
-    other = buffers.take(x.shape, x.dtype)
-    gram = buffers.take((*x.shape[:-1], m), x.dtype)
-    poly = buffers.take(gram.shape, x.dtype)
+    """X ← a·X + (b·G + c·G²)·X with G = X Xᵀ (X the short side first), once per (a, b, c). The
+    iterates alternate between `x` and `spare` (both in the input's orientation, both
+    overwritten); the last, scaled by `scale`, is returned: in `spare` for an odd number of steps."""
+    w = _short_side_first(x)
+    square = (*w.shape[:-1], w.size(-2))
+    gram, poly = buffers.take(square, x.dtype), buffers.take(square, x.dtype)
     for i, (a, b, c) in enumerate(schedule):
-        torch.matmul(x, x.mT, out=gram)
+        w = _short_side_first(x)
+        torch.matmul(w, w.mT, out=gram)
         _addmm(gram, gram, gram, b, c, poly)
-        if i + 1 < len(schedule):
-            x, other = _addmm(x, poly, x, a, 1.0, other), x
-        else:
-            _last_product(x, poly, a, scale, out)
-    return out
+        x, spare = _times_x(poly, x, a, scale if i + 1 == len(schedule) else 1.0, spare), x
+    return x
 
 
-def gram_iterations(x: Tensor, schedule: list[tuple[float, float, float]], segments: tuple[int, ...], out: Tensor,
+def gram_iterations(x: Tensor, schedule: list[tuple[float, float, float]], segments: tuple[int, ...], spare: Tensor,
                     buffers: Buffers, scale: float = 1.0) -> Tensor:  # fmt: skip
     """The same polynomial as standard_iterations, iterated on the small m×m Gram matrix.
 
@@ -369,38 +371,36 @@ def gram_iterations(x: Tensor, schedule: list[tuple[float, float, float]], segme
     whose result is X Xᵀ of the next X) compute three of their four 2×2 blocks. Q ← P Q is not
     split: P and Q commute only up to rounding, and mirroring one triangle of their product
     breaks Q X = P (Q_prev X) (measured: 10x the rounding error on low-rank fp32 inputs).
-    x is overwritten; the last X ← Q X writes scale·X into `out` (the input's orientation).
+    X ← Q X alternates between `x` and `spare` (in the input's orientation, both overwritten);
+    the last, scaled by `scale`, is returned: in `spare` for an odd number of runs.
     """
-    m = x.size(-2)
-    square = (*x.shape[:-1], m)
-    other = buffers.take(x.shape, x.dtype)
-    gram, poly, half, accumulated, spare = (buffers.take(square, x.dtype) for _ in range(5))
+    m = min(x.shape[-2:])
+    square = (*x.shape[:-2], m, m)
+    gram, poly, half, accumulated, other = (buffers.take(square, x.dtype) for _ in range(5))
     diagonal32 = buffers.take(square[:-1], torch.float32)
     start = 0
-    for length in segments:
-        gram = _symmetric_addmm(None, x, x.mT, gram)
+    for run, length in enumerate(segments):
+        w = _short_side_first(x)
+        gram = _symmetric_addmm(None, w, w.mT, gram)
         for i, (a, b, c) in enumerate(schedule[start : start + length]):
             poly = _symmetric_addmm(gram, gram, gram, poly, beta=b, alpha=c)
             if i == 0:
                 accumulated = _plus_identity(accumulated.copy_(poly), a, diagonal32)
             else:
-                accumulated, spare = _addmm(accumulated, poly, accumulated, a, 1.0, spare), accumulated
+                accumulated, other = _addmm(accumulated, poly, accumulated, a, 1.0, other), accumulated
             if i + 1 < length:
                 half = _symmetric_addmm(gram, poly, gram, half, beta=a)
                 gram = _symmetric_addmm(half, poly, half, gram, beta=a)
         start += length
-        if start < len(schedule):
-            x, other = torch.matmul(accumulated, x, out=other), x
-        else:
-            _last_product(x, accumulated, 0.0, scale, out)
-    return out
+        x, spare = _times_x(accumulated, x, 0.0, scale if run + 1 == len(segments) else 1.0, spare), x
+    return x
 
 
 def _workspace_cuts(rows: int, cols: int, algorithm: str, dtype: torch.dtype, lead: tuple[int, ...]) -> list[tuple[tuple[int, ...], torch.dtype]]:
     """The buffers one orthogonalize() call on a (*lead, rows, cols) input takes, in order (the
     result excepted), for the input dtype that needs no fp32 staging; `_workspace_peak` adds fp16's."""
     m, n = sorted((rows, cols))
-    cuts = [((*lead, 1, 1), dtype), ((*lead, m, n), dtype), ((*lead, m, n), dtype)]
+    cuts = [((*lead, 1, 1), dtype), ((*lead, rows, cols), dtype)]
     if algorithm == "gram":
         return cuts + [((*lead, m, m), dtype)] * 5 + [((*lead, m), torch.float32)]  # + the fp32 diagonal of P = a·I + B
     return cuts + [((*lead, m, m), dtype)] * 2
@@ -422,11 +422,11 @@ def _workspace_peak(rows: int, cols: int, algorithm: str, dtype: torch.dtype, le
 def workspace_bytes(batch: int, rows: int, cols: int, algorithm: str, dtype: torch.dtype, device_type: str, *,
                     reserved: bool = False) -> int:  # fmt: skip
     """Peak bytes :func:`orthogonalize` holds besides its result for a (batch, rows, cols) input in
-    compute dtype `dtype` with a resolved `algorithm`. Per matrix (short side m, long side n): two
-    m × n matrices in the NS dtype (the scaled input and the next iterate; fp16 first scales in an
-    fp32 copy, given back before the rest is taken), the m × m products — the Gram matrix and the
-    polynomial, and for Gram NS also the half-updated Gram matrix, two accumulated polynomials and
-    an fp32 diagonal — and the norm. On CPU a batch runs one matrix at a time, each writing its slice of the result.
+    compute dtype `dtype` with a resolved `algorithm`. Per matrix (short side m, long side n): one
+    m × n matrix in the NS dtype (the iterates alternate between it and the result; fp16 first
+    scales in an fp32 copy, given back before the rest is taken), the m × m products — the Gram
+    matrix and the polynomial, and for Gram NS also the half-updated Gram matrix, two accumulated
+    polynomials and an fp32 diagonal — and the norm. On CPU a batch runs one matrix at a time, each writing its slice of the result.
     ``reserved``: each buffer counted as an Arena cuts it (buffers.cut_bytes, alignment included),
     what a reservation must hold; otherwise as allocated. Measured against storage lifetimes and an
     Arena's high water: tests/test_newton_schulz.py."""
@@ -453,7 +453,8 @@ def orthogonalize(
     side: fewer FLOPs on rectangular matrices), or "auto" (resolve_algorithm).
     dtype: the compute dtype, fp32, bf16 or fp16 (fp16: scaled in fp32 first; Gram NS restarts
     every 2 steps, gram_segments); the result is returned in it, contiguous, in the input's shape.
-    scale: the result is scale·U Vᵀ, scaled by the last product itself. out: where to write it.
+    scale: the result is scale·U Vᵀ, scaled by the last product itself. out: where to write it
+    (contiguous; it may share `matrix`'s memory, which is read first).
     buffers: where the workspace (and a result without `out`) comes from (default: allocated);
     everything taken from it is given back before returning, except the result.
     """
@@ -481,15 +482,17 @@ def orthogonalize(
             orthogonalize(one, steps, method, dtype, eps, algorithm, scale=scale, out=result, buffers=buffers)
         return out
     mark = buffers.mark()
-    wide = matrix.mT if matrix.size(-2) > matrix.size(-1) else matrix
+    # The iterates alternate between one buffer and `out`, in the input's orientation, so after an
+    # odd number of products (the defaults) the last is in `out`; after an even one it is copied
+    # there. `out` is written only once `matrix` has been read: it may be `matrix`'s own memory.
     # fp16 cannot hold every unscaled input (a momentum of 1e-8 underflows, a sum of squares
     # overflows): scale in fp32 first, then round once to fp16.
     staging = torch.promote_types(matrix.dtype, torch.float32) if dtype == torch.float16 else dtype
-    norm = buffers.take((*wide.shape[:-2], 1, 1), staging)
-    x = buffers.take(wide.shape, dtype)
+    norm = buffers.take((*matrix.shape[:-2], 1, 1), staging)
+    x = buffers.take(matrix.shape, dtype)
     before_staging = buffers.mark()
-    scaled = buffers.take(wide.shape, staging) if staging != dtype else x
-    scaled.copy_(wide)
+    scaled = buffers.take(matrix.shape, staging) if staging != dtype else x
+    scaled.copy_(matrix)
     # Scale so the spectral norm is at most 1 (the Frobenius norm bounds it).
     torch.linalg.vector_norm(scaled, dim=(-2, -1), keepdim=True, out=norm)
     if method == "polar_express":
@@ -500,8 +503,10 @@ def orthogonalize(
         buffers.release(before_staging)
     schedule = coefficient_schedule(method, steps)
     if algorithm == "gram":
-        gram_iterations(x, schedule, gram_segments(steps, dtype), out, buffers, scale)
+        x = gram_iterations(x, schedule, gram_segments(steps, dtype), out, buffers, scale)
     else:
-        standard_iterations(x, schedule, out, buffers, scale)
+        x = standard_iterations(x, schedule, out, buffers, scale)
+    if x is not out:  # an even number of products (or none)
+        out.copy_(x)
     buffers.release(mark)
     return out

@@ -121,7 +121,7 @@ def agree_on_success(transport: Transport, failure: StepFailure, streaming: bool
 
 
 Fill = Callable[[list[tuple[Piece, Tensor]]], None]  # writes a round's outbound pieces into their slots of the send buffer
-Orthogonalize = Callable[[int, list[Batch], Buffers], dict[int, Tensor]]  # round, owned batches, where results go -> result per unit (counted by it)
+Orthogonalize = Callable[[int, list[Batch], Buffers], tuple[dict[int, Tensor], int]]  # round, owned batches, buffers -> result per unit, bytes it counted
 Receive = Callable[[int, Piece, Tensor], None]  # round, outbound piece, its update (a view of the return buffer)
 
 
@@ -316,12 +316,12 @@ class ExchangeEngine:
                 held += self._receive(*returning.pop(0), receive, returned, failure, memory)
             if batches is not None and failure.error is None:
                 try:
-                    results = orthogonalize(r, batches, rounds_buffers.owner(r))  # counts its results in `memory`
+                    results, result_bytes = orthogonalize(r, batches, rounds_buffers.owner(r))  # counted in `memory`
                     with phase("disassemble"):
                         back = disassemble(tables, results, return_dtype, rounds_buffers.returning(r))
                     counted = back.numel() * back.element_size()  # alive beside the batches and results it is cut from
                     memory.add(counted)
-                    memory.free(sum(t.numel() * t.element_size() for t in results.values()))
+                    memory.free(result_bytes)
                     del results  # not alive through the next round's Newton-Schulz
                 except Exception as error:  # noqa: BLE001 - settled on every rank in agree_on_success
                     failure.record(error, f"Newton-Schulz of round {r}")
