@@ -510,7 +510,8 @@ def render(rows: Sequence[Row], command: str, elapsed_s: float) -> str:
         "Newton–Schulz and commit, at the settings a CUDA run gets by default: bf16 on the wire, Gram NS in fp16 where "
         "`ns_algorithm=\"auto\"` picks it on GPUs (short side ≥ 2048, aspect ≥ 2.5: Llama's MLP, DeepSeek-V3 and Kimi K2 experts; "
         "measured on an H100) and standard NS in bf16 elsewhere, element-wise passes "
-        f"compiled (each traced as one kernel), fp32 momentum, {DEFAULT_EXCHANGE_MEMORY_MB / 1024:g} GiB exchange memory, atomic commit, "
+        f"compiled (each traced as one kernel), fp32 momentum, {DEFAULT_EXCHANGE_MEMORY_MB / 1024:g} GiB exchange memory, commit=\"auto\" (streaming, "
+        "every buffer of the step reserved before its first agreement; atomic under pipeline parallel, i.e. Kimi K2), "
         "2 rounds in flight, no overlap); `scripts/replay.py` replays all ranks' traces with a host clock, one "
         "compute stream and one in-order stream per communicator per rank (its docstring has the rules, "
         "`Hardware` every rate and its source). Checked by `tests/test_simulate_scale.py`."),

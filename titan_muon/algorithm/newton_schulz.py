@@ -492,12 +492,12 @@ def orthogonalize(
     x = buffers.take(matrix.shape, dtype)
     before_staging = buffers.mark()
     scaled = buffers.take(matrix.shape, staging) if staging != dtype else x
-    scaled.copy_(matrix)
+    source = matrix if matrix.dtype == staging else scaled.copy_(matrix)  # the norm of what is divided
     # Scale so the spectral norm is at most 1 (the Frobenius norm bounds it).
-    torch.linalg.vector_norm(scaled, dim=(-2, -1), keepdim=True, out=norm)
+    torch.linalg.vector_norm(source, dim=(-2, -1), keepdim=True, out=norm)
     if method == "polar_express":
         norm.mul_(POLAR_EXPRESS_SAFETY)
-    scaled.div_(norm.clamp_(min=eps))
+    torch.div(source, norm.clamp_(min=eps), out=scaled)
     if scaled is not x:
         x.copy_(scaled)
         buffers.release(before_staging)
