@@ -569,7 +569,7 @@ FINDINGS = """## What the replay shows
   one in-order NCCL stream delays nothing. The 4.7× that issue 16 replayed came from buckets with
   one owner each, which the rounds removed; the second lane is insurance for rounds that are not
   balanced (MoE at large W, a few costly matrices), at the cost of one more communicator per rank set.
-- **Few matrices per owner (Llama-3 8B at W = 64, 3.5 each)**: 1.26× the bound. With fewer than 4·W
+- **Few matrices per owner (Llama-3 8B at W = 64, 3.5 each)**: 1.15× the bound. With fewer than 4·W
   matrices the rounds are few and small, and the first outbound trip and the last return — about
   half of the rank's 11 ms of wire time — have no NS to hide behind. `overlap=True` sends the
   outbound trips during backward.
@@ -577,7 +577,7 @@ FINDINGS = """## What the replay shows
   wire overlaps NS, and it leaves out the elementwise work, which is most of what separates the
   step from NS. Both columns are given; the ratio that says how good the schedule is, is step / bound.
 - **Tensor parallel changes the pieces, not the work.** Llama-3 70B on FSDP 8 × TP 8 replays within
-  0.5 % of FSDP on 64 (309.0 vs 307.7 ms): every matrix is still spread over all 64 ranks in equal
+  1 % of FSDP on 64 (304.9 vs 302.9 ms): every matrix is still spread over all 64 ranks in equal
   parts (one rank set, one exchange) and orthogonalized once by one owner, so the bytes (4,148 MiB
   per rank) and the NS are the same. Row-wise layers arrive as column blocks, which owners copy
   into place and split back out piece by piece (a copy and a clone per piece, where row blocks are
@@ -599,7 +599,8 @@ FINDINGS = """## What the replay shows
   replayed Qwen3's step with 64.8 ms of element-wise passes beside NS (two lerps and a cast for the
   Nesterov input, fp32 round trips around NS, a separate scale, the commit's passes: 98 bytes per
   Muon element). With the passes compiled (one kernel each), arrivals fed to NS in their wire dtype
-  and NS's result scaled in its own dtype (42 bytes per element beyond NS), and NS as the H100
+  and NS's result scaled in its own dtype (42 bytes per element beyond NS; 34 with the streaming
+  step, which writes fp32 momentum while packing), and NS as the H100
   measured it fastest (standard bf16 on Qwen3's 768 × 2048 experts, fp16 Gram on Kimi K2's 2048 ×
   7168 ones), Qwen3's busiest rank computes 77.6 ms: 48.1 ms of NS and 29.5 ms of other work.
   Kimi K2's busiest stage: 126.3 ms of NS, 32.3 ms of other work. **Launches**: an EP rank holds
@@ -609,9 +610,18 @@ FINDINGS = """## What the replay shows
   (`update.coalesce`: the experts lie side by side in the parameter and in the exchange buffers):
   4,298 kernels, 32.8 ms of host time; with `--launch-us 18.5` the step is 86.1 ms, host and
   compute about even (Llama-3 8B: 124.5 ms, Kimi K2's stage 0: 143.7 ms, both compute-bound).
-  What is left: the commit's momentum lerp, which
-  recomputes what packing computed (writing it there needs the streaming step), and the NS
-  phase's casts (docs/performance.md, "Bytes per Muon element").
+  The commit's momentum lerp, which recomputed what packing computed, is gone wherever the step
+  streams (`commit="auto"`: every row but Kimi K2's, whose pipeline stages commit atomically, so
+  its stages still move 42 bytes per element); what is left is the NS phase's casts
+  (docs/performance.md, "Bytes per Muon element").
+- **Memory: the streaming step holds its reservation, not every update.** With `commit="auto"` a
+  step whose momentum is fp32 on the shards writes each round as it returns and cuts every buffer
+  from one reservation made before its first agreement (docs/reliability.md, "The streaming
+  step"): Llama-3 8B at W = 8 peaks at 1,344 MiB per rank (2,592 atomic), Qwen3-30B-A3B on DP8
+  EP8 at 1,376 MiB (7,958 atomic), Llama-3 70B at W = 64 at 5,376 MiB (5,424 atomic). The
+  reservation holds each region's largest round for the whole step, so where the rounds are few
+  it can exceed the atomic step's moving peak: Llama-3 8B at W = 64 (3 rounds) 1,344 MiB against
+  960 atomic. Kimi K2's stages commit atomically (pipeline parallel) and hold 8.6–8.9 GiB.
 
 ## Limits of the model
 
