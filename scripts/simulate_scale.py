@@ -577,7 +577,7 @@ FINDINGS = """## What the replay shows
   wire overlaps NS, and it leaves out the elementwise work, which is most of what separates the
   step from NS. Both columns are given; the ratio that says how good the schedule is, is step / bound.
 - **Tensor parallel changes the pieces, not the work.** Llama-3 70B on FSDP 8 × TP 8 replays within
-  1 % of FSDP on 64 (304.9 vs 302.9 ms): every matrix is still spread over all 64 ranks in equal
+  1 % of FSDP on 64 (304.6 vs 302.6 ms): every matrix is still spread over all 64 ranks in equal
   parts (one rank set, one exchange) and orthogonalized once by one owner, so the bytes (4,148 MiB
   per rank) and the NS are the same. Row-wise layers arrive as column blocks, which owners copy
   into place and split back out piece by piece (a copy and a clone per piece, where row blocks are
@@ -602,14 +602,14 @@ FINDINGS = """## What the replay shows
   and NS's result scaled in its own dtype (42 bytes per element beyond NS; 34 with the streaming
   step, which writes fp32 momentum while packing), and NS as the H100
   measured it fastest (standard bf16 on Qwen3's 768 × 2048 experts, fp16 Gram on Kimi K2's 2048 ×
-  7168 ones), Qwen3's busiest rank computes 77.6 ms: 48.1 ms of NS and 29.5 ms of other work.
-  Kimi K2's busiest stage: 126.3 ms of NS, 32.3 ms of other work. **Launches**: an EP rank holds
+  7168 ones), Qwen3's busiest rank computes 73.0 ms: 47.9 ms of NS and 25.1 ms of other work.
+  Kimi K2's busiest stage: 125.2 ms of NS, 32.4 ms of other work. **Launches**: an EP rank holds
   thousands of whole expert matrices, and one element-wise pass per matrix made Qwen3's busiest
   rank launch 8,252 kernels (60 ms of host time at the model's 7 µs; host-bound at 159.1 ms with
   the 18.5 µs per kernel the lent H100's host took). Adjacent blocks now share one pass
   (`update.coalesce`: the experts lie side by side in the parameter and in the exchange buffers):
-  4,298 kernels, 32.8 ms of host time; with `--launch-us 18.5` the step is 86.1 ms, host and
-  compute about even (Llama-3 8B: 124.5 ms, Kimi K2's stage 0: 143.7 ms, both compute-bound).
+  4,219 kernels, 32.2 ms of host time (4,298 before the streaming default; then `--launch-us 18.5` replayed the step at 86.1 ms, host and
+  compute about even; Llama-3 8B: 124.5 ms, Kimi K2's stage 0: 143.7 ms, both compute-bound).
   The commit's momentum lerp, which recomputed what packing computed, is gone wherever the step
   streams (`commit="auto"`: every row but Kimi K2's, whose pipeline stages commit atomically, so
   its stages still move 42 bytes per element); what is left is the NS phase's casts
@@ -621,7 +621,7 @@ FINDINGS = """## What the replay shows
   EP8 at 1,376 MiB (7,958 atomic), Llama-3 70B at W = 64 at 5,376 MiB (5,424 atomic). The
   reservation holds each region's largest round for the whole step, so where the rounds are few
   it can exceed the atomic step's moving peak: Llama-3 8B at W = 64 (3 rounds) 1,344 MiB against
-  960 atomic. Kimi K2's stages commit atomically (pipeline parallel) and hold 8.6–8.9 GiB.
+  960 atomic. Kimi K2's stages commit atomically (pipeline parallel) and hold 7.9–8.7 GiB.
 
 ## Limits of the model
 
