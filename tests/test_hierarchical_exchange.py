@@ -231,7 +231,7 @@ def _muon_run(rank, world, per_node, steps):
             opt = Muon(build_param_groups(model, adamw_lr=3e-3), lr=0.02, adjust_lr_fn="match_rms_adamw",
                        exchange_memory_mb=0.002, hierarchical_exchange=hierarchical, ranks_per_node=per_node, **overrides)  # fmt: skip
             if hierarchical:
-                assert all(e.outbound.hierarchy is not None for e in opt.sharded_engines) and opt.sharded_engines
+                assert all(e.outbound.hierarchy is not None for e in opt.engines if e.sharded) and any(e.sharded for e in opt.engines)
             for s in range(steps):
                 _loss(model, _batches(s, batch=2 * world).chunk(world)[rank]).backward()
                 opt.step()

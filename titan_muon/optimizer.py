@@ -280,17 +280,12 @@ class Muon(Optimizer):
         """Every rank's verdict on missing and non-finite gradients and on the reservation (verdict.py);
         a skipped step counts and reports only what overlap sent during its backward."""
         params = [p for g in self.param_groups for p in g["params"]]
-        verdict = agree_on_gradients(params, lambda i: self._names[i], self.transport, self._overlaps, self.nonfinite_grads, self.pipeline,
-                                     unreserved)  # fmt: skip
+        verdict = agree_on_gradients(params, self._names.__getitem__, self.transport, self._overlaps, self.nonfinite_grads, self.pipeline, unreserved)
         self.last_step_skipped = verdict.skip_step
         if verdict.skip_step:
             self.skipped_steps += 1
             self._set_metrics({**wire_bytes(self.engines), "muon/skipped_steps": float(self.skipped_steps)})
         return verdict
-
-    @property
-    def sharded_engines(self) -> list[ExchangeEngine]:
-        return [engine for engine in self.engines if engine.sharded]
 
     def engine_of(self, entry: MuonParam) -> ExchangeEngine:
         """The engine that carries `entry`'s matrices (the one-rank engine, last, if this rank holds it whole)."""
