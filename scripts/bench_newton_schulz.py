@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from titan_muon.algorithm.newton_schulz import coefficient_schedule, gram_iterations, newton_schulz_flops, orthogonalize
+from titan_muon.buffers import FreshBuffers
 
 ROOT = Path(__file__).resolve().parents[1]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -101,10 +102,8 @@ def errors(out: torch.Tensor, polar: torch.Tensor, polynomial: torch.Tensor) -> 
 def gram_with_runs(matrix: torch.Tensor, method: str, dtype: torch.dtype, runs: tuple[int, ...]) -> torch.Tensor:
     """Gram Newton–Schulz with the given run lengths instead of gram_segments' (2 + 3; fp16: 2 + 2 + 1)."""
     x = matrix.to(torch.float32 if dtype == torch.float16 else dtype)  # fp16: scaled first, as orthogonalize does
-    x = x.mT if x.size(0) > x.size(1) else x
-    x = x / (torch.linalg.vector_norm(x) * (1.01 if method == "polar_express" else 1.0))
-    out = gram_iterations(x.to(dtype), coefficient_schedule(method, 5), runs)
-    return out.mT if matrix.size(0) > matrix.size(1) else out
+    x = (x / (torch.linalg.vector_norm(x) * (1.01 if method == "polar_express" else 1.0))).to(dtype)
+    return gram_iterations(x, coefficient_schedule(method, 5), runs, torch.empty_like(x), FreshBuffers(x.device))
 
 
 def accuracy_rows(shapes: list[tuple[int, ...]], dtype_names: list[str]) -> list[str]:
