@@ -34,8 +34,8 @@ from bench_optimizer import ROOT, run_on_ranks, write_section  # noqa: E402
 from bench_training import FLAVORS, MALLOC_SETTINGS, beyond_ns, build, optimizer_for, use_malloc  # noqa: E402
 
 PHASES = (
-    "check_gradients", "pack", "wait", "assemble", "owner_momentum", "newton_schulz",
-    "disassemble", "unpack", "agree_on_success", "commit", "adamw",
+    "reserve", "check_gradients", "pack", "wait", "assemble", "owner_momentum", "newton_schulz", "update_norm",
+    "disassemble", "unpack", "commit_round", "stage_commit", "agree_on_success", "commit", "adamw",
 )  # fmt: skip
 COLLECTIVE_LAUNCHES = ("c10d::alltoall_base_",)  # the all-reduces run inside two of the phases
 BASELINES = ("adamw", "adamw-fused")  # torch's default AdamW kernel (for-loop), and torchtitan's default
