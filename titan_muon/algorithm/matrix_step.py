@@ -136,12 +136,12 @@ class MatrixStep:
         memory.add(made)
         for batch, matrices in zip(batches, inputs):
             dtype = self.newton_schulz.result_dtype(batch.key)
-            # NS reads its input before writing: the results take the arrivals' place (alive until the return buffer is packed)
-            in_place = matrices is batch.matrices and matrices.element_size() == dtype.itemsize
+            in_place = matrices is batch.matrices and results_replace_arrivals(matrices.dtype, dtype)
             out = matrices.view(dtype) if in_place else buffers.take(matrices.shape, dtype)
             if not in_place:
-                counted += out.numel() * out.element_size()
-                memory.add(out.numel() * out.element_size())  # until the return buffer is packed
+                nbytes = out.numel() * out.element_size()
+                counted += nbytes
+                memory.add(nbytes)  # until the return buffer is packed
             for chunk in self.newton_schulz.chunks(batch.key, len(matrices)):
                 workspace = self.newton_schulz.workspace_bytes(batch.key, chunk.stop - chunk.start)
                 memory.add(workspace)
@@ -187,6 +187,13 @@ class MatrixStep:
 
 
 
+def results_replace_arrivals(arrival: torch.dtype, result: torch.dtype) -> bool:
+    """Whether an owner's NS results are written over the batch that arrived (NS reads its input
+    before writing): where the two dtypes have one size. MatrixStep.orthogonalize cuts the results
+    by it and owner_bytes sizes the reservation by it."""
+    return arrival.itemsize == result.itemsize
+
+
 def ns_key(params: list[MuonParam], unit: Unit) -> tuple[tuple[int, int], int]:
     """Matrices batch together when they have one shape and one param group's settings."""
     return (unit.shape, params[unit.param].group_index)
@@ -205,7 +212,7 @@ def owner_bytes(engine: ExchangeEngine, tables: RoundTables, wire: torch.dtype, 
     total, workspace = 0, 0
     for key, count in counts.items():
         (rows, cols), dtype = key[0], newton_schulz.result_dtype(key)
-        total += cut_bytes((count, rows, cols), wire) + (cut_bytes((count, rows, cols), dtype) if dtype.itemsize != wire.itemsize else 0)
+        total += cut_bytes((count, rows, cols), wire) + (0 if results_replace_arrivals(wire, dtype) else cut_bytes((count, rows, cols), dtype))
         for chunk in newton_schulz.chunks(key, count):
             workspace = max(workspace, newton_schulz.workspace_bytes(key, chunk.stop - chunk.start, reserved=True))
     return total + workspace

@@ -20,7 +20,7 @@ from titan_muon.buffers import Buffers, FreshBuffers, cut_bytes
 from titan_muon.timing import StepTimer, phase
 
 
-# A batch runs through Newton–Schulz in chunks whose workspace (two copies of the chunk in the NS
+# A batch runs through Newton–Schulz in chunks whose workspace (one copy of the chunk in the NS
 # dtype, its Gram products; the results are the caller's) stays within this, one matrix at least: NS's transient memory no longer
 # grows with how many equal matrices an owner holds. Large matrices lose nothing by it (one H100,
 # 2026-11-27: one 4096 × 14336 matrix takes 9.0 / 6.9 ms in standard bf16 / fp16 Gram NS, a batch

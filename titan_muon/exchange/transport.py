@@ -317,7 +317,7 @@ class Transport:
         allocate = allocate or (lambda nbytes: torch.empty(nbytes, dtype=torch.uint8, device=self.device))
         if recv is None:
             recv = allocate(sum(second[2]) * itemsize)
-        relay = route.relay_elements(h.reverse) * itemsize  # = sum(first[2]) * itemsize
+        relay = route.relay_elements(h.reverse) * itemsize
         middle = allocate(relay)  # what stage 1 brings, grouped by where it came from
         relayed = allocate(relay)  # the same, grouped by where it goes
         _used_by_default_stream(recv, send)
