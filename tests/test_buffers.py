@@ -1,11 +1,13 @@
 """titan_muon/buffers.py and titan_muon/exchange/reservation.py on their own: how an arena cuts,
-gives back and refuses, and which rounds share a reservation's slots."""
+gives back and refuses, which rounds share a reservation's slots, and when a reservation is kept
+from one step to the next."""
 
 import pytest
 import torch
 
 from titan_muon.buffers import ALIGNMENT, Arena, FreshBuffers, cut_bytes
-from titan_muon.exchange.reservation import RoundBytes, ReservedRounds, largest, reservation_bytes
+from titan_muon import Muon
+from titan_muon.exchange.reservation import ReservationStore, RoundBytes, ReservedRounds, largest, reservation_bytes
 
 
 def test_an_arena_cuts_aligned_views_gives_them_back_and_refuses_to_overflow():
@@ -45,3 +47,56 @@ def test_rounds_in_flight_apart_share_a_slot_and_each_takes_it_over_whole():
     assert rounds.send(0).take((ALIGNMENT,), torch.uint8).data_ptr() == first.data_ptr()
     with pytest.raises(ValueError, match="cannot hold"):
         ReservedRounds(storage[:-1], sizes, in_flight)
+
+
+def test_a_kept_reservation_is_reused_while_its_size_holds_and_replaced_when_the_plan_changes():
+    cpu = torch.device("cpu")
+    kept = ReservationStore(cpu, keep=True)
+    first = kept.take(1024)
+    assert kept.take(1024) is first and kept.kept_bytes == 1024
+    assert kept.take(2048) is not first and kept.kept_bytes == 2048  # another plan: the old storage goes
+    fresh = ReservationStore(cpu, keep=False)
+    assert fresh.take(1024) is not fresh.take(1024) and fresh.kept_bytes == 0
+
+
+def _reservation_storages(keep_reservation, steps=3):
+    """The storage each step's reservation was cut from, and the metrics, for one process stepping
+    on a (64, 96) matrix; a second matrix is added before the last step (a new plan)."""
+    import titan_muon.algorithm.matrix_step as matrix_step
+
+    params = [torch.nn.Parameter(torch.randn(64, 96))]
+    opt = Muon(params, lr=0.01, keep_reservation=keep_reservation)
+    seen, original = [], matrix_step.ReservedRounds
+
+    def recording(storage, *args):
+        seen.append(storage)
+        return original(storage, *args)
+
+    matrix_step.ReservedRounds = recording
+    try:
+        for step in range(steps):
+            if step == steps - 1:
+                extra = torch.nn.Parameter(torch.randn(128, 96))
+                opt.add_param_group({"params": [extra]})
+                params.append(extra)
+            for p in params:
+                p.grad = torch.randn_like(p)
+            opt.step()
+    finally:
+        matrix_step.ReservedRounds = original
+    return seen, opt.last_step_metrics
+
+
+def test_keep_reservation_holds_the_storage_between_steps_and_reports_it():
+    seen, metrics = _reservation_storages(True)
+    assert seen[1] is seen[0] and seen[2] is not seen[0]  # kept, then replaced for the larger plan
+    assert seen[2].numel() > seen[0].numel()
+    assert metrics["muon/kept_reservation_bytes"] > 0
+    assert metrics["muon/kept_reservation_bytes"] <= metrics["muon/peak_transient_bytes"]
+    seen, metrics = _reservation_storages(False)
+    assert seen[1] is not seen[0]
+    assert metrics["muon/kept_reservation_bytes"] == 0
+    # None keeps it on CPU (there is no caching allocator to hand the block back), not on accelerators
+    assert Muon([torch.nn.Parameter(torch.zeros(4, 4))]).reservations.keep
+    with pytest.raises(ValueError, match="keep_reservation must be True, False or None"):
+        Muon([torch.nn.Parameter(torch.zeros(4, 4))], keep_reservation="on")

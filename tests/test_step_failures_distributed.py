@@ -141,10 +141,11 @@ def test_failure_on_one_rank_raises_everywhere_and_changes_nothing(tmp_path, wor
 def test_a_reservation_that_fails_on_one_rank_raises_everywhere_before_anything_is_written(tmp_path):
     # commit="auto" with fp32 momentum on the shards streams, and reserves the step's memory
     # before the gradient verdict (titan_muon/exchange/reservation.py). The reservation is the
-    # first torch.empty of titan_muon.algorithm.matrix_step; failing on rank 1, it rides the
-    # verdict's all-reduce, so every rank raises before any round is written.
-    overrides = {"commit": "auto"}
-    results = run_distributed(_fail_once, 3, "titan_muon.algorithm.matrix_step:torch", 1, str(tmp_path), overrides, timeout=240)
+    # first torch.empty of titan_muon.exchange.reservation; failing on rank 1, it rides the
+    # verdict's all-reduce, so every rank raises before any round is written. Reserved anew each
+    # step, as on a GPU (on CPU the default keeps the first step's, so a later step takes none).
+    overrides = {"commit": "auto", "keep_reservation": False}
+    results = run_distributed(_fail_once, 3, "titan_muon.exchange.reservation:torch", 1, str(tmp_path), overrides, timeout=240)
     clean = run_distributed(_clean, 3, overrides, timeout=240)
     for rank, result in enumerate(results):
         kind, message = result["outcome"]

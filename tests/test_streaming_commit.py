@@ -8,6 +8,7 @@ checkpoint is loaded.
 """
 
 import copy
+import itertools
 
 import pytest
 import torch
@@ -89,17 +90,21 @@ def test_streaming_drops_each_round_of_updates_once_written():
 
 
 def test_streaming_account_bounds_what_is_really_alive():
-    for memory in (None, 0.5):  # one round, then four
+    # Reserved anew each step (a GPU's default), and kept from the first step (a CPU's): a kept
+    # reservation is alive through the step, allocated before LiveBytes began.
+    for memory, keep in itertools.product((None, 0.5), (False, True)):  # one round, then four
         params = make_params(shapes=MEMORY_SHAPES)
         tensors = {n: nn.Parameter(p) for n, p in params.items()}
-        opt = Muon(list(tensors.values()), lr=0.01, exchange_memory_mb=memory, commit="streaming")
+        opt = Muon(list(tensors.values()), lr=0.01, exchange_memory_mb=memory, commit="streaming", keep_reservation=keep)
         for s in range(2):
             for n, g in grads_for(s, params).items():
                 tensors[n].grad = g
             with LiveBytes() as live:
                 opt.step()
-        account = opt.last_step_metrics["muon/peak_transient_bytes"]
-        assert live.peak - _verdict_bytes(tensors) <= account <= live.peak + _model_slack(opt), (memory, live.peak, account)
+        account, kept = (opt.last_step_metrics[f"muon/{k}_bytes"] for k in ("peak_transient", "kept_reservation"))
+        assert (kept > 0) == keep
+        alive = live.peak + kept
+        assert alive - _verdict_bytes(tensors) <= account <= alive + _model_slack(opt), (memory, keep, live.peak, account)
 
 
 def _fails_late(rank, world, failing_rank):

@@ -2,9 +2,8 @@
 
 One step, top-down (``step``):
   1. reserve: a streaming step's buffers are all cut from memory reserved now (exchange/reservation.py);
-  2. agree on the gradients and the reservation (one small all-reduce, one host read): a missing or
-     non-finite gradient, or a rank that could not reserve, stops or skips the step on every rank
-     alike, before anything changes;
+  2. agree on the gradients and the reservation (one small all-reduce, one host read): a missing or non-finite
+     gradient, or a rank that could not reserve, stops or skips the step on every rank, before anything changes;
   3. exchange (exchange/engine.py): in owner-balanced rounds each rank sends its pieces of every
      matrix (Nesterov momentum; with momentum on the owners, the raw gradient) to its owner, which
      orthogonalizes it once, batched by shape; the scaled updates come back, and a streaming step
@@ -40,6 +39,7 @@ from titan_muon.exchange.engine import EngineSettings, ExchangeEngine, StepFailu
 from titan_muon.exchange.overlap import BackwardOverlap
 from titan_muon.exchange.params import MuonParam, build_units, collect_muon_params, locate
 from titan_muon.exchange.plan import OVERLAP_MIN_ROUNDS, Unit
+from titan_muon.exchange.reservation import ReservationStore
 from titan_muon.exchange.transport import AcrossReplicas, Transport
 from titan_muon.exchange.verdict import Verdict, agree_on_gradients, align_gradient_placements
 from titan_muon.metrics import state_bytes, step_metrics, wire_bytes
@@ -63,7 +63,7 @@ class Muon(Optimizer):
             NS and fp16 for Gram NS, fp32 elsewhere); comm_dtype ("auto", "fp32", "bf16"): the wire;
         adamw_betas, adamw_eps, adamw_implementation ("fused", "foreach", "for-loop");
         exchange_memory_mb: per-GPU MiB for the exchange buffers of the rounds in flight
-            (8192); an owner always takes at least one matrix per round;
+            (2048); an owner always takes at least one matrix per round;
         commit: "auto" ("streaming" where the step's memory can be reserved up front: fp32 momentum
             on the shards, one pipeline stage; else "atomic"), "atomic" (nothing written until every
             rank succeeded) or "streaming" (each round's weights written as it returns; commit.py);
@@ -77,8 +77,9 @@ class Muon(Optimizer):
             demo_adamw ("sign", "dense": the AdamW gradients), replicate_group: DeMo across replicas (demo/);
         hierarchical_exchange ("auto", True, False), ranks_per_node: two-stage all-to-alls,
             within nodes and along rails (docs/exchange.md, "W = 4096");
-        compile_elementwise: the element-wise passes as ``torch.compile``d kernels, one pass
-            each (update.py); None (default): on CUDA only.
+        compile_elementwise: the element-wise passes as ``torch.compile``d kernels (update.py), and
+        keep_reservation: a streaming step's reserved memory kept between steps (reservation.py);
+            None (default): compiled on CUDA only, kept off it (no caching allocator keeps it there).
     """
 
     def __init__(
@@ -122,6 +123,7 @@ class Muon(Optimizer):
         hierarchical_exchange: bool | str = "auto",
         ranks_per_node: int | None = None,
         compile_elementwise: bool | None = None,
+        keep_reservation: bool | None = None,
     ):
         ns_eps = settings.newton_schulz_eps(eps, ns_eps)
         settings.check_options(ns_dtype, comm_dtype, nonfinite_grads, adamw_implementation, commit)
@@ -130,10 +132,8 @@ class Muon(Optimizer):
                                   shared_momentum=demo_shared_momentum, compressor=demo_compressor, rank=demo_rank, adamw=demo_adamw)  # fmt: skip
         self.replicate_group = replicate_group
         self.hierarchical_exchange, self.ranks_per_node = hierarchical_exchange, ranks_per_node
-        self.compile_elementwise = compile_elementwise
-        self.exchange_memory_mb, self.rounds_in_flight = settings.exchange_memory(
-            exchange_memory_mb, bucket_size_mb, rounds_in_flight, buckets_in_flight
-        )
+        self.compile_elementwise, self.keep_reservation = compile_elementwise, settings.optional_flag(keep_reservation, "keep_reservation")
+        self.exchange_memory_mb, self.rounds_in_flight = settings.exchange_memory(exchange_memory_mb, bucket_size_mb, rounds_in_flight, buckets_in_flight)
         self.ns_dtype_setting, self.comm_dtype_setting = ns_dtype, comm_dtype
         self.nonfinite_grads, self.row_blocks, self.overlap, self.commit_mode = nonfinite_grads, dict(row_blocks or {}), overlap, commit
         self.adamw_implementation = adamw_implementation
@@ -197,6 +197,7 @@ class Muon(Optimizer):
         self.comm_dtype = settings.auto_comm_dtype(self.ns_precision) if comm == "auto" else settings.resolve_dtype(comm, "comm_dtype", self.device)
         self.newton_schulz = Orthogonalizer(lambda: self.param_groups, self.ns_precision, self.device)
         self.elementwise = Elementwise(settings.compile_elementwise(self.compile_elementwise, self.device), self.device.type)
+        self.reservations = ReservationStore(self.device, settings.keeps_reservation(self.keep_reservation, self.device))
         if self.demo is not None:
             check_groups(self.param_groups, self.demo)
         self._names = [self.param_name(gi, pi) for gi, g in enumerate(self.param_groups) for pi in range(len(g["params"]))]
@@ -244,7 +245,7 @@ class Muon(Optimizer):
         align_gradient_placements(self.param_groups)
         (streaming, reserves), failure, work = self.commit_plan, StepFailure(), StepWork(update_sq=torch.zeros((), device=self.device))
         with phase("reserve"):  # a streaming step's memory, before anything is agreed or written
-            reserved, unreserved = reserve_rounds(self.engines, self.muon_params, self.newton_schulz, self.comm_dtype, work.memory) if reserves else (None, None)
+            reserved, unreserved = reserve_rounds(self.engines, self.muon_params, self.newton_schulz, self.comm_dtype, self.reservations, work.memory) if reserves else (None, None)
         with phase("check_gradients"):
             verdict = self._agree_on_gradients(unreserved)
         if verdict.skip_step:
@@ -317,16 +318,14 @@ class Muon(Optimizer):
 
     # ------------------------------------------------------------ checkpoints
 
-    hierarchical_exchange: bool | str = "auto"  # for copies of optimizers pickled before the option existed
-    last_step_skipped: bool = False
-    commit_mode: str = "atomic"
-    partially_applied: bool = False  # a streaming step failed after writing: refuse until a checkpoint is loaded
-    ranks_per_node: int | None = None
-    compile_elementwise: bool | None = None
+    # Defaults for copies of optimizers pickled before these existed. partially_applied: a
+    # streaming step failed after writing, so steps are refused until a checkpoint is loaded.
+    hierarchical_exchange, ranks_per_node, compile_elementwise, keep_reservation = "auto", None, None, None
+    last_step_skipped, commit_mode, partially_applied = False, "atomic", False
     _CARRIED = ("exchange_memory_mb", "rounds_in_flight", "ns_dtype_setting", "comm_dtype_setting", "nonfinite_grads",
                 "row_blocks", "overlap", "adamw_implementation", "storage", "skipped_steps", "owner_blocks", "pipeline_group",
                 "demo", "replicate_group", "hierarchical_exchange", "ranks_per_node", "last_step_skipped",
-                "compile_elementwise", "commit_mode", "partially_applied")  # fmt: skip
+                "compile_elementwise", "commit_mode", "partially_applied", "keep_reservation")  # fmt: skip
 
     def __getstate__(self) -> dict:
         return {**super().__getstate__(), **{key: getattr(self, key) for key in self._CARRIED}}

@@ -44,6 +44,18 @@ def compile_elementwise(setting: bool | None, device: torch.device) -> bool:
     return on_accelerator(device) if setting is None else bool(setting)
 
 
+def keeps_reservation(setting: bool | None, device: torch.device) -> bool:
+    """``keep_reservation``: None keeps a streaming step's reservation between steps off
+    accelerators only (reservation.py); True / False force it."""
+    return not on_accelerator(device) if setting is None else setting
+
+
+def optional_flag(value, key: str) -> bool | None:
+    if value is not None and not isinstance(value, bool):
+        raise ValueError(f"titan_muon.Muon: {key} must be True, False or None, got {value!r}")
+    return value
+
+
 def resolve_dtype(name: str, key: str, device: torch.device) -> torch.dtype:
     if name not in DTYPE_CHOICES:
         raise ValueError(f"titan_muon.Muon: {key}={name!r} is not supported; expected one of {DTYPE_CHOICES}")

@@ -28,7 +28,7 @@ from titan_muon.buffers import Buffers, cut_bytes
 from titan_muon.exchange.engine import ExchangeEngine, MemoryAccount, StepFailure
 from titan_muon.exchange.params import MuonParam
 from titan_muon.exchange.plan import Piece, RoundTables, Unit
-from titan_muon.exchange.reservation import ReservedRounds, largest, reservation_bytes
+from titan_muon.exchange.reservation import ReservationStore, ReservedRounds, largest, reservation_bytes
 from titan_muon.exchange.redistribute import Batch, local_piece
 from titan_muon.exchange.verdict import Verdict
 from titan_muon.timing import StepTimer, phase
@@ -219,18 +219,19 @@ def owner_bytes(engine: ExchangeEngine, tables: RoundTables, wire: torch.dtype, 
 
 
 def reserve_rounds(engines: list[ExchangeEngine], params: list[MuonParam], newton_schulz: Orthogonalizer, wire: torch.dtype,
-                   memory: MemoryAccount) -> tuple[ReservedRounds | None, str | None]:  # fmt: skip
+                   store: ReservationStore, memory: MemoryAccount) -> tuple[ReservedRounds | None, str | None]:  # fmt: skip
     """The memory of a streaming step whose momentum lives on the shards, reserved whole: one byte
-    tensor holding every engine's largest round in each region (reservation.py), counted in
-    `memory`; or (None, why) if it cannot be allocated. Made before the step's first agreement,
-    which carries the failure to every rank before anything is written."""
+    tensor from `store` holding every engine's largest round in each region (reservation.py),
+    counted in `memory`; or (None, why) if it cannot be allocated. Made before the step's first
+    agreement, which carries the failure to every rank before anything is written."""
     sizes = largest([engine.round_bytes(r, wire, wire, lambda tables, engine=engine: owner_bytes(engine, tables, wire, params, newton_schulz))
                      for engine in engines for r in range(len(engine.tables))])  # fmt: skip
     in_flight = max(engine.rounds_in_flight for engine in engines)
     nbytes = reservation_bytes(sizes, in_flight)
     try:
-        storage = torch.empty(nbytes, dtype=torch.uint8, device=engines[0].device)
+        storage = store.take(nbytes)
     except Exception as error:  # noqa: BLE001 - every rank raises in the verdict
         return None, f"{nbytes} bytes: {type(error).__name__}: {error}"
     memory.add(nbytes)
+    memory.kept = store.kept_bytes
     return ReservedRounds(storage, sizes, in_flight), None

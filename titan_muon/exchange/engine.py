@@ -73,6 +73,7 @@ class MemoryAccount:
 
     live: int = 0
     peak: int = 0
+    kept: int = 0  # of those, bytes kept from one step to the next (a CPU reservation: reservation.py)
 
     def add(self, n: int) -> None:
         self.live += n

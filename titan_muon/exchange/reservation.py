@@ -23,6 +23,12 @@ holds in stream order on GPUs as on the host. The engines of several rank sets r
 another and share the one reservation. Sizes are the sums of each cut as an Arena takes it
 (buffers.cut_bytes), so a reservation can never be too small for the cuts it was sized for;
 an Arena that would overflow raises (a bug) instead of allocating behind its back.
+
+Where the bytes come from (:class:`ReservationStore`): on a GPU a fresh byte tensor every step,
+which the caching allocator serves from the block the last step gave back, and which forward and
+backward can use between steps. A CPU has no caching allocator: glibc maps an allocation this
+large anew and every page of it faults in again inside the step (~0.8 s per step on the ~100M
+model, docs/performance.md), so there the storage is kept from one step to the next.
 """
 
 from __future__ import annotations
@@ -105,6 +111,28 @@ class ReservedRounds(RoundBuffers):
     def next_engine(self) -> None:
         """The next rank set's engine starts from empty regions (its rounds count from 0 again)."""
         self._taken.clear()
+
+
+class ReservationStore:
+    """Hands out a step's reservation: allocated anew each step, or (``keep``) kept from the last
+    step when it has the same size, and then held between steps (``kept_bytes``)."""
+
+    def __init__(self, device: torch.device, keep: bool):
+        self.device, self.keep = device, keep
+        self._kept: Tensor | None = None
+
+    @property
+    def kept_bytes(self) -> int:
+        return 0 if self._kept is None else self._kept.numel()
+
+    def take(self, nbytes: int) -> Tensor:
+        if self._kept is not None and self._kept.numel() == nbytes:
+            return self._kept
+        self._kept = None  # a plan of another size: give the old storage back before taking the new
+        storage = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        if self.keep:
+            self._kept = storage
+        return storage
 
 
 def _slots(rounds_in_flight: int) -> dict[str, int]:

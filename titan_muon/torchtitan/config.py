@@ -83,6 +83,10 @@ class Optimizer:
     "atomic": nothing is written until every rank has succeeded (any error leaves weights and
     state unchanged), at the cost of holding every update. "auto": streaming where the step's
     memory is reserved, atomic elsewhere (docs/reliability.md)."""
+    keep_reservation: Literal["auto", "on", "off"] = "auto"
+    """Keep a streaming step's reserved memory from one step to the next instead of reserving it
+    anew each step; "auto": on CPU only, where no caching allocator keeps freed memory and
+    glibc would fault every page of it in again inside each step (docs/reliability.md)."""
     demo: bool = False
     """DeMo across replicas (docs/demo.md): each data_parallel_replicate replica keeps its own
     momentum and the replicas exchange only its top demo_topk DCT coefficients per demo_chunk ×

@@ -41,6 +41,7 @@ def muon_kwargs(config: Any) -> dict[str, Any]:
         buckets_in_flight=config.buckets_in_flight,
         nonfinite_grads=config.nonfinite_grads,
         commit=config.commit,
+        keep_reservation={"auto": None, "on": True, "off": False}[config.keep_reservation],
         overlap=config.overlap,
         demo=config.demo,
         demo_chunk=config.demo_chunk,

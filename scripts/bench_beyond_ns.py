@@ -1,0 +1,172 @@
+"""What Muon's step costs beyond Newton–Schulz, next to fused AdamW's whole step (issue 25's CPU criteria).
+
+torchtitan's llama3 (~100M by default) under FSDP2 on W gloo ranks, gradients set directly (no
+forward or backward: this measures the optimizer alone). In the same processes, step after step
+in turn on the same gradients:
+
+* fused AdamW (torch's ``fused=True``, torchtitan's default), the yardstick;
+* Muon at its defaults, unprofiled and then once more under torch.profiler: the step minus its
+  ``newton_schulz`` phase and the ``wait`` for the other ranks' NS is "around NS";
+* Muon with ``ns_steps`` = 1 and 6: the step with zero NS iterations extrapolated from the two
+  (t(0) = t(1) − (t(6) − t(1)) / 5) is "beyond the NS iterations" — what NS's batching,
+  normalization and casts cost is then counted, which "around NS" leaves out.
+
+Each rank's step time is the slowest rank's (the others wait for it in the all-to-all). Every
+figure is run once per glibc malloc setting (``--mallocs retain,default``: ranks told to keep
+freed memory, as a caching allocator does, and glibc's defaults, what a CPU user gets).
+
+    python scripts/bench_beyond_ns.py                 # ~100M, W = 2, both malloc settings
+    python scripts/bench_beyond_ns.py --flavor debug  # quick look
+
+Writes a section of docs/performance.md unless --no-write.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_optimizer import ROOT, run_on_ranks, write_section  # noqa: E402
+from bench_training import FLAVORS, MALLOC_SETTINGS, build, use_malloc  # noqa: E402
+from profile_step import COLLECTIVE_LAUNCHES, PHASES, _phase_ms  # noqa: E402
+
+from titan_muon import Muon, build_param_groups  # noqa: E402
+
+NS_PHASES = ("newton_schulz", "wait")  # NS itself, and waiting for the other ranks' NS
+EXTRAPOLATED_FROM = (1, 6)  # ns_steps of the two runs whose difference is five NS iterations
+
+
+def _gradients(model, seed: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    grads = []
+    for p in model.parameters():
+        local = torch.randn(p.to_local().shape, generator=gen) * 1e-3
+        grads.append(DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()))
+    return grads
+
+
+def _rank_main(rank, world, args):
+    mesh = init_device_mesh("cpu", (world,))
+    runs = {}
+    for name in ("adamw-fused", "muon", *(f"muon ns_steps={k}" for k in EXTRAPOLATED_FROM)):
+        model = build(args.flavor, mesh, 16)
+        if name == "adamw-fused":
+            opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+        else:
+            ns_steps = int(name.rsplit("=", 1)[1]) if "=" in name else 5
+            opt = Muon(build_param_groups(model), lr=3e-4, weight_decay=0.1, adjust_lr_fn="match_rms_adamw", ns_steps=ns_steps)
+        runs[name] = (model, opt)
+    times = {name: [] for name in runs}
+    phases = []
+    for step in range(args.warmup + args.steps):
+        for name, (model, opt) in runs.items():
+            for profiled in (False, True) if name == "muon" else (False,):
+                for p, g in zip(model.parameters(), _gradients(model, step * world + rank)):
+                    p.grad = g
+                dist.barrier()
+                if profiled:
+                    with profile(activities=[ProfilerActivity.CPU]) as prof:
+                        opt.step()
+                    if step >= args.warmup:
+                        phases.append(_phase_ms(prof))
+                else:
+                    started = time.perf_counter()
+                    opt.step()
+                    if step >= args.warmup:
+                        times[name].append(time.perf_counter() - started)
+                opt.zero_grad()
+    return dict(times=times, phases=phases)
+
+
+def _slowest(ranks, name: str, i: int) -> float:
+    return max(r["times"][name][i] for r in ranks)
+
+
+def summarize(ranks, steps: int) -> dict[str, float]:
+    median = statistics.median
+    a, b = EXTRAPOLATED_FROM
+    fused = median(_slowest(ranks, "adamw-fused", i) for i in range(steps))
+    step = median(_slowest(ranks, "muon", i) for i in range(steps))
+    at_a = median(_slowest(ranks, f"muon ns_steps={a}", i) for i in range(steps))
+    at_b = median(_slowest(ranks, f"muon ns_steps={b}", i) for i in range(steps))
+    no_iterations = at_a - a * (at_b - at_a) / (b - a)
+    around = max(median(p["step"] - sum(p.get(k, 0.0) for k in NS_PHASES) for p in r["phases"]) for r in ranks) / 1e3
+    return dict(fused=fused, step=step, around=around, no_iterations=no_iterations)
+
+
+def phase_table(ranks) -> list[str]:
+    rows = [*PHASES, *COLLECTIVE_LAUNCHES]
+    lines = ["| phase (ms per step, under the profiler) | " + " | ".join(f"rank {r}" for r in range(len(ranks))) + " |",
+             "|---|" + "---|" * len(ranks)]  # fmt: skip
+    for name in [*rows, "other (Python between phases)", "step"]:
+        cells = []
+        for r in ranks:
+            if name.startswith("other"):
+                values = [p.get("step", 0.0) - sum(p.get(k, 0.0) for k in rows) for p in r["phases"]]
+            else:
+                values = [p.get(name, 0.0) for p in r["phases"]]
+            cells.append(f"{statistics.median(values):.1f}")
+        if any(c != "0.0" for c in cells):
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--flavor", choices=tuple(FLAVORS), default="100m")
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--mallocs", default="retain,default", help=f"comma-separated, of {tuple(MALLOC_SETTINGS)}")
+    parser.add_argument("--no-write", action="store_true")
+    args = parser.parse_args()
+
+    results = {}
+    for malloc in args.mallocs.split(","):
+        use_malloc(malloc)
+        ranks = run_on_ranks(_rank_main, args.world, args)
+        results[malloc] = (summarize(ranks, args.steps), phase_table(ranks))
+
+    lines = ["| malloc | fused AdamW step ms | Muon step ms | around NS ms (× fused AdamW; goal ≤ 1.5×) | "
+             "beyond the NS iterations ms (×; goal ≤ 3×) |", "|---|---|---|---|---|"]  # fmt: skip
+    for malloc, (s, _) in results.items():
+        lines.append(f"| {malloc} | {1e3 * s['fused']:.1f} | {1e3 * s['step']:.1f} | {1e3 * s['around']:.1f} ({s['around'] / s['fused']:.2f}×) | "
+                     f"{1e3 * s['no_iterations']:.1f} ({s['no_iterations'] / s['fused']:.2f}×) |")  # fmt: skip
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
+    command = "python scripts/bench_beyond_ns.py " + " ".join(sys.argv[1:])
+    section = f"## Beyond Newton–Schulz, {args.flavor}, optimizer alone (scripts/bench_beyond_ns.py)"
+    body = [
+        section,
+        "",
+        f"Command: `{command.strip()}`  ",
+        f"Machine: {cpu}, {os.cpu_count()} cores, torch {torch.__version__}, gloo, W={args.world}, {args.threads} thread(s) per rank; "
+        f"median of {args.steps} steps after {args.warmup} warm-up, each the slowest rank's; {time.strftime('%Y-%m-%d')}.",
+        "",
+        *lines,
+        "",
+        "\"around NS\": the profiled step minus its `newton_schulz` and `wait` phases (slowest rank); \"beyond the NS "
+        f"iterations\": unprofiled steps at ns_steps = {EXTRAPOLATED_FROM[0]} and {EXTRAPOLATED_FROM[1]} extrapolated to none.",
+        "",
+    ]
+    for malloc, (_, table) in results.items():
+        body += [f"Phases, malloc {malloc}:", "", *table, ""]
+    report = "\n".join(body)
+    print(report)
+    if not args.no_write:
+        write_section(ROOT / "docs" / "performance.md", section, report)
+
+
+if __name__ == "__main__":
+    main()
