@@ -6,10 +6,15 @@ in turn on the same gradients:
 
 * fused AdamW (torch's ``fused=True``, torchtitan's default), the yardstick;
 * Muon at its defaults, unprofiled and then once more under torch.profiler: the step minus its
-  ``newton_schulz`` phase and the ``wait`` for the other ranks' NS is "around NS";
+  ``newton_schulz`` phase and the ``wait`` for the other ranks' NS is "around NS"; adding the
+  NS phase's own operations other than its matrix products (batching copies, normalization,
+  casts) gives "beyond the NS products";
+* the same with ``compile_elementwise=True`` (``--compiled``): the element-wise passes as
+  torch.compile'd kernels, as on CUDA (on CPU the default runs them eagerly);
 * Muon with ``ns_steps`` = 1 and 6: the step with zero NS iterations extrapolated from the two
-  (t(0) = t(1) − (t(6) − t(1)) / 5) is "beyond the NS iterations" — what NS's batching,
-  normalization and casts cost is then counted, which "around NS" leaves out.
+  (t(0) = t(1) − (t(6) − t(1)) / 5), the measure issue 25 was filed with. Gram NS's first Gram
+  product and its final application to the matrix do not grow with ns_steps, so they land in
+  it: it counts matrix products as well as element-wise work.
 
 Each rank's step time is the slowest rank's (the others wait for it in the all-to-all). Every
 figure is run once per glibc malloc setting (``--mallocs retain,default``: ranks told to keep
@@ -44,6 +49,7 @@ from profile_step import COLLECTIVE_LAUNCHES, PHASES, _phase_ms  # noqa: E402
 from titan_muon import Muon, build_param_groups  # noqa: E402
 
 NS_PHASES = ("newton_schulz", "wait")  # NS itself, and waiting for the other ranks' NS
+GEMMS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul")
 EXTRAPOLATED_FROM = (1, 6)  # ns_steps of the two runs whose difference is five NS iterations
 
 
@@ -56,22 +62,35 @@ def _gradients(model, seed: int) -> list[torch.Tensor]:
     return grads
 
 
+def _ns_operations_ms(prof) -> float:
+    """Milliseconds of the operations run directly inside the newton_schulz phase other than its
+    matrix products (their own children included)."""
+    total = 0.0
+    for event in prof.events():
+        parent = event.cpu_parent
+        if parent is not None and parent.name == "titan_muon/newton_schulz" and event.name not in GEMMS:
+            total += event.cpu_time_total / 1e3
+    return total
+
+
 def _rank_main(rank, world, args):
     mesh = init_device_mesh("cpu", (world,))
+    names = ["adamw-fused", "muon", *(["muon compiled"] if args.compiled else []), *(f"muon ns_steps={k}" for k in EXTRAPOLATED_FROM)]
     runs = {}
-    for name in ("adamw-fused", "muon", *(f"muon ns_steps={k}" for k in EXTRAPOLATED_FROM)):
+    for name in names:
         model = build(args.flavor, mesh, 16)
         if name == "adamw-fused":
             opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
         else:
             ns_steps = int(name.rsplit("=", 1)[1]) if "=" in name else 5
-            opt = Muon(build_param_groups(model), lr=3e-4, weight_decay=0.1, adjust_lr_fn="match_rms_adamw", ns_steps=ns_steps)
+            opt = Muon(build_param_groups(model), lr=3e-4, weight_decay=0.1, adjust_lr_fn="match_rms_adamw", ns_steps=ns_steps,
+                       compile_elementwise=name == "muon compiled")  # fmt: skip
         runs[name] = (model, opt)
     times = {name: [] for name in runs}
-    phases = []
+    phases = {name: [] for name in ("muon", "muon compiled")}
     for step in range(args.warmup + args.steps):
         for name, (model, opt) in runs.items():
-            for profiled in (False, True) if name == "muon" else (False,):
+            for profiled in (False, True) if name == "muon" else (True,) if name == "muon compiled" else (False,):
                 for p, g in zip(model.parameters(), _gradients(model, step * world + rank)):
                     p.grad = g
                 dist.barrier()
@@ -79,7 +98,7 @@ def _rank_main(rank, world, args):
                     with profile(activities=[ProfilerActivity.CPU]) as prof:
                         opt.step()
                     if step >= args.warmup:
-                        phases.append(_phase_ms(prof))
+                        phases[name].append(_phase_ms(prof) | {"ns_operations": _ns_operations_ms(prof)})
                 else:
                     started = time.perf_counter()
                     opt.step()
@@ -100,25 +119,33 @@ def summarize(ranks, steps: int) -> dict[str, float]:
     step = median(_slowest(ranks, "muon", i) for i in range(steps))
     at_a = median(_slowest(ranks, f"muon ns_steps={a}", i) for i in range(steps))
     at_b = median(_slowest(ranks, f"muon ns_steps={b}", i) for i in range(steps))
-    no_iterations = at_a - a * (at_b - at_a) / (b - a)
-    around = max(median(p["step"] - sum(p.get(k, 0.0) for k in NS_PHASES) for p in r["phases"]) for r in ranks) / 1e3
-    return dict(fused=fused, step=step, around=around, no_iterations=no_iterations)
+    summary = dict(fused=fused, step=step, no_iterations=at_a - a * (at_b - at_a) / (b - a))
+    for name, label in (("muon", ""), ("muon compiled", " compiled")):
+        if not ranks[0]["phases"][name]:
+            continue
+        around = [median(p["step"] - sum(p.get(k, 0.0) for k in NS_PHASES) for p in r["phases"][name]) for r in ranks]
+        inside = [median(p["ns_operations"] for p in r["phases"][name]) for r in ranks]
+        slowest = max(range(len(ranks)), key=lambda r: around[r] + inside[r])
+        summary["around" + label] = around[slowest] / 1e3
+        summary["beyond products" + label] = (around[slowest] + inside[slowest]) / 1e3
+    return summary
 
 
-def phase_table(ranks) -> list[str]:
+def phase_table(ranks, name: str) -> list[str]:
     rows = [*PHASES, *COLLECTIVE_LAUNCHES]
     lines = ["| phase (ms per step, under the profiler) | " + " | ".join(f"rank {r}" for r in range(len(ranks))) + " |",
              "|---|" + "---|" * len(ranks)]  # fmt: skip
-    for name in [*rows, "other (Python between phases)", "step"]:
+    for row in [*rows, "ns_operations", "other (Python between phases)", "step"]:
         cells = []
         for r in ranks:
-            if name.startswith("other"):
-                values = [p.get("step", 0.0) - sum(p.get(k, 0.0) for k in rows) for p in r["phases"]]
+            if row.startswith("other"):
+                values = [p.get("step", 0.0) - sum(p.get(k, 0.0) for k in rows) for p in r["phases"][name]]
             else:
-                values = [p.get(name, 0.0) for p in r["phases"]]
+                values = [p.get(row, 0.0) for p in r["phases"][name]]
             cells.append(f"{statistics.median(values):.1f}")
         if any(c != "0.0" for c in cells):
-            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+            label = "(of newton_schulz: its operations other than matrix products)" if row == "ns_operations" else row
+            lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return lines
 
 
@@ -129,6 +156,7 @@ def main():
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--compiled", action="store_true", help="also Muon with compile_elementwise=True")
     parser.add_argument("--mallocs", default="retain,default", help=f"comma-separated, of {tuple(MALLOC_SETTINGS)}")
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
@@ -137,13 +165,18 @@ def main():
     for malloc in args.mallocs.split(","):
         use_malloc(malloc)
         ranks = run_on_ranks(_rank_main, args.world, args)
-        results[malloc] = (summarize(ranks, args.steps), phase_table(ranks))
+        tables = {name: phase_table(ranks, name) for name in ("muon", "muon compiled") if ranks[0]["phases"][name]}
+        results[malloc] = (summarize(ranks, args.steps), tables)
+
+    def cell(s, key):
+        return f"{1e3 * s[key]:.1f} ({s[key] / s['fused']:.2f}×)" if key in s else "–"
 
     lines = ["| malloc | fused AdamW step ms | Muon step ms | around NS ms (× fused AdamW; goal ≤ 1.5×) | "
-             "beyond the NS iterations ms (×; goal ≤ 3×) |", "|---|---|---|---|---|"]  # fmt: skip
+             "beyond the NS products ms (×; goal ≤ 3×) | compiled passes: around NS | compiled: beyond the NS products | "
+             "beyond the NS iterations, extrapolated |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for malloc, (s, _) in results.items():
-        lines.append(f"| {malloc} | {1e3 * s['fused']:.1f} | {1e3 * s['step']:.1f} | {1e3 * s['around']:.1f} ({s['around'] / s['fused']:.2f}×) | "
-                     f"{1e3 * s['no_iterations']:.1f} ({s['no_iterations'] / s['fused']:.2f}×) |")  # fmt: skip
+        lines.append(f"| {malloc} | {1e3 * s['fused']:.1f} | {1e3 * s['step']:.1f} | {cell(s, 'around')} | {cell(s, 'beyond products')} | "
+                     f"{cell(s, 'around compiled')} | {cell(s, 'beyond products compiled')} | {cell(s, 'no_iterations')} |")  # fmt: skip
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
     command = "python scripts/bench_beyond_ns.py " + " ".join(sys.argv[1:])
     section = f"## Beyond Newton–Schulz, {args.flavor}, optimizer alone (scripts/bench_beyond_ns.py)"
@@ -156,12 +189,15 @@ def main():
         "",
         *lines,
         "",
-        "\"around NS\": the profiled step minus its `newton_schulz` and `wait` phases (slowest rank); \"beyond the NS "
-        f"iterations\": unprofiled steps at ns_steps = {EXTRAPOLATED_FROM[0]} and {EXTRAPOLATED_FROM[1]} extrapolated to none.",
+        "\"around NS\": the profiled step minus its `newton_schulz` and `wait` phases; \"beyond the NS products\": that "
+        "plus the NS phase's operations other than matrix products (both on the rank where they are largest); \"beyond "
+        f"the NS iterations\": unprofiled steps at ns_steps = {EXTRAPOLATED_FROM[0]} and {EXTRAPOLATED_FROM[1]} extrapolated "
+        "to none (it includes Gram NS's first and last products, which do not grow with ns_steps).",
         "",
     ]
-    for malloc, (_, table) in results.items():
-        body += [f"Phases, malloc {malloc}:", "", *table, ""]
+    for malloc, (_, tables) in results.items():
+        for name, table in tables.items():
+            body += [f"Phases, {name}, malloc {malloc}:", "", *table, ""]
     report = "\n".join(body)
     print(report)
     if not args.no_write:
