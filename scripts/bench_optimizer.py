@@ -34,7 +34,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 from titan_muon import Muon
 from titan_muon.algorithm.newton_schulz import newton_schulz_flops, orthogonalize, resolve_algorithm
-from titan_muon.algorithm.update import Elementwise, update_scale
+from titan_muon.algorithm.update import Elementwise, commit_scale, update_scale
 from titan_muon.exchange.plan import shard_rows
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -93,7 +93,7 @@ class GatherEverythingMuon:
             dist.all_gather_into_tensor(gathered, padded)
             self.bytes_sent += (world - 1) * padded.numel() * 4
             full = torch.cat([gathered[r * chunk : r * chunk + (e - s)] for r, (s, e) in enumerate(shard_rows(rows, world))])
-            ortho = orthogonalize(full, dtype=self.ns_dtype, algorithm="auto").float() * update_scale("match_rms_adamw", rows, cols)
+            ortho = orthogonalize(full, dtype=self.ns_dtype, algorithm="auto").float() * update_scale("match_rms_adamw", rows, cols) * commit_scale(self.wd)
             start, end = shard_rows(rows, world)[rank]
             self.elementwise.decay_and_step_([p.to_local()], [ortho[start:end]], self.lr, self.wd)
 

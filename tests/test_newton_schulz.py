@@ -381,7 +381,7 @@ LLAMA_8B_MLP = (4096, 14336)  # Gram on GPUs too (GRAM_ACCELERATOR_SHAPES)
 
 
 def _group(**overrides):
-    return dict(dict(ns_algorithm="auto", ns_steps=5, ns_coefficients="keller", ns_eps=1e-7, adjust_lr_fn=None, lr=0.1), **overrides)
+    return dict(dict(ns_algorithm="auto", ns_steps=5, ns_coefficients="keller", ns_eps=1e-7, adjust_lr_fn=None, lr=0.1, weight_decay=0.1), **overrides)
 
 
 def test_auto_precision_per_device_and_shape():

@@ -377,7 +377,7 @@ def test_compiled_elementwise_passes_equal_the_eager_ones():
     the results agree to fp32 rounding: the compiler may contract a multiply and an add into one
     fused multiply-add, which rounds once instead of twice, so each of the (at most two) lerps or
     the decay-and-step differs by at most one rounding of its operands' magnitude:
-    |Δ| ≤ 2·eps32·(|g| + |M|) (lerp), 2·eps32·(|W| + lr·|U|) (step). A bf16 output may then round
+    |Δ| ≤ 2·eps32·(|g| + |M|) (lerp), 2·eps32·(|W| + lr·|U|) (step, lr·|U| = lr·wd·|R|). A bf16 output may then round
     to the neighbouring bf16 value: one bf16 ulp, eps_bf16·|value|, on top."""
     from titan_muon.algorithm.update import Elementwise
 
@@ -401,11 +401,35 @@ def test_compiled_elementwise_passes_equal_the_eager_ones():
         eager.momentum_update_(stored_a, grad, 0.95)
         compiled.momentum_update_(stored_b, grad, 0.95)
         assert ((stored_a - stored_b).abs() <= scale).all()
-        weights, update = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen).bfloat16()
-        w_a, w_b = weights.clone(), weights.clone()
-        eager.decay_and_step_([w_a], [update], lr=0.02, weight_decay=0.1)
-        compiled.decay_and_step_([w_b], [update], lr=0.02, weight_decay=0.1)
-        assert ((w_a - w_b).abs() <= 2 * eps32 * (weights.abs() + 0.02 * update.float().abs())).all()
+        # The commit from R = U·commit_scale(wd) = −U/wd as owners return it: lerp(W, R, lr·wd)
+        # compiled, a multiply and an add eagerly for a bf16 R (lerp takes one dtype) and one
+        # foreach lerp for an fp32 R; lr·|U| = lr·wd·|R|.
+        weights = torch.randn(shape, generator=gen)
+        for returned in (torch.randn(shape, generator=gen).bfloat16(), torch.randn(shape, generator=gen)):
+            w_a, w_b = weights.clone(), weights.clone()
+            eager.decay_and_step_([w_a], [returned], lr=0.02, weight_decay=0.1)
+            compiled.decay_and_step_([w_b], [returned], lr=0.02, weight_decay=0.1)
+            assert ((w_a - w_b).abs() <= 2 * eps32 * (weights.abs() + 0.002 * returned.float().abs())).all()
+
+
+@pytest.mark.parametrize("weight_decay", [0.1, 1e-13, 0.0])
+def test_the_commit_from_returned_updates_is_decay_and_step(weight_decay):
+    """Owners return R = U·commit_scale(wd) (−U/wd where the decay is folded, U below
+    MIN_FOLDED_DECAY); decay_and_step_ then writes (1 − lr·wd)·W − lr·U. Against that formula in
+    float64, four fp32 roundings of at most eps32·(|W| + lr·|U|) each: R's own (|U|/wd, times
+    lr·wd), the lerp's two (R − W times lr·wd, and the sum), and lr·wd's to fp32 (relative, on
+    both terms)."""
+    from titan_muon.algorithm.update import Elementwise, commit_scale
+
+    gen = torch.Generator().manual_seed(11)
+    weights, update = torch.randn(64, 48, generator=gen), torch.randn(64, 48, generator=gen)
+    lr, eps32 = 0.02, torch.finfo(torch.float32).eps
+    returned = update * commit_scale(weight_decay)
+    stepped = weights.clone()
+    Elementwise(compiled=False).decay_and_step_([stepped], [returned], lr=lr, weight_decay=weight_decay)
+    exact = (1 - lr * weight_decay) * weights.double() - lr * update.double()
+    bound = 4 * eps32 * (weights.abs() + lr * update.abs()).double()
+    assert ((stepped.double() - exact).abs() <= bound).all()
 
 
 def test_step_phases_are_named_for_the_profiler():

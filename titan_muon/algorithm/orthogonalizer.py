@@ -15,7 +15,7 @@ from titan_muon.algorithm.newton_schulz import (
     orthogonalize,
     workspace_bytes,
 )
-from titan_muon.algorithm.update import update_scale
+from titan_muon.algorithm.update import commit_scale, update_scale
 from titan_muon.buffers import Buffers, FreshBuffers, cut_bytes
 from titan_muon.timing import StepTimer, phase
 
@@ -78,8 +78,9 @@ class Orthogonalizer:
 
     def __call__(self, key: tuple, matrices: Tensor, timer: StepTimer, work, out: Tensor | None = None,
                  buffers: Buffers | None = None) -> Tensor:  # fmt: skip
-        """The scaled updates of `matrices`, written into `out` (default: taken from `buffers`);
-        the workspace comes from `buffers` (default: allocated) and is given back."""
+        """The updates of `matrices` as the owners return them, scaled by their shape's factor and
+        commit_scale (−1/wd: the commit is then one lerp, update.py), written into `out` (default:
+        taken from `buffers`); the workspace comes from `buffers` (default: allocated) and is given back."""
         shape, group_index = key
         group = self.param_groups()[group_index]
         steps, (algorithm, dtype) = group["ns_steps"], self.plan(group, *shape)
@@ -88,15 +89,16 @@ class Orthogonalizer:
         with phase("newton_schulz"):
             # Scaled by NS's last product, row-major (the return buffer is cut from it by rows), in
             # the NS dtype: the value the wire carries anyway.
+            folded = commit_scale(group["weight_decay"])
             scaled = orthogonalize(matrices, steps, group["ns_coefficients"], dtype, group["ns_eps"], algorithm,
-                                   scale=update_scale(group["adjust_lr_fn"], *shape), out=out, buffers=buffers)  # fmt: skip
+                                   scale=update_scale(group["adjust_lr_fn"], *shape) * folded, out=out, buffers=buffers)  # fmt: skip
         timer.stop("ns")
         work.ns_flops += matrices.shape[0] * newton_schulz_flops(*shape, steps, algorithm, dtype, matrices.device.type)
         with phase("update_norm"):
             mark = buffers.mark()
             norm = torch.linalg.vector_norm(scaled, dtype=torch.float32, out=buffers.take((), torch.float32))
             lr = group["lr"].reshape(()) if isinstance(group["lr"], Tensor) else group["lr"]  # a one-element tensor lr
-            work.update_sq.add_(norm.square_().mul_(lr**2))
+            work.update_sq.add_(norm.square_().mul_((lr / folded) ** 2))  # the RMS of lr·U
             buffers.release(mark)
         work.update_numel += scaled.numel()
         return scaled

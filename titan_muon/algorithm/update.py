@@ -10,11 +10,14 @@ step used is the momentum it stores.
 
 These passes are memory-bound, so their cost is the bytes they move. As separate torch ops the
 Nesterov input reads and writes a temporary and then a cast copy (30 bytes per element with a
-bf16 wire), and weight decay and the step are two passes over the weights (18 bytes). Compiled,
-each is one kernel reading its inputs once and writing its output once (10 bytes each) — what
+bf16 wire). Weight decay and the step are one pass even eagerly: the owners return each update
+U multiplied by :func:`commit_scale` (−1/wd, folded into Newton–Schulz's last product, which
+scales it anyway), so that (1 − lr·wd)·W − lr·U is ``lerp(W, −U/wd, lr·wd)``, one torch op.
+Compiled, each pass is one kernel reading its inputs once and writing its output once — what
 torch's fused optimizers do, written with torch's compiler instead of CUDA. :class:`Elementwise`
 holds both forms. The eager one is the reference and runs by default off CUDA (compiling costs
-seconds per function on a CPU and gains little there); the compiled one computes the same
+seconds per function on a CPU and gains less there: on the ~100M model at W = 2 it took the commit from
+16 to 13 ms and the packing not at all, scripts/bench_beyond_ns.py, 2026-11-28); the compiled one computes the same
 formulas up to fp32 rounding (the compiler may contract a multiply and an add into one fused
 multiply-add). Scalars that change between steps (learning rate, decay) enter as 0-dim device
 tensors, so a schedule never recompiles, and shapes are dynamic, so uneven shards share a kernel.
@@ -53,6 +56,17 @@ def update_scale(adjust_lr_fn: str | None, rows: int, cols: int) -> float:
     if adjust_lr_fn == "spectral_unclamped":
         return math.sqrt(rows / cols)
     raise ValueError(f"unknown adjust_lr_fn {adjust_lr_fn!r}; expected None or one of {ADJUST_LR_FNS}")
+
+
+# Below this weight decay the commit takes two passes instead of folding 1/wd into the update,
+# which would push returned values toward the wire dtype's range (bf16's and fp32's end at 3e38).
+MIN_FOLDED_DECAY = 1e-12
+
+
+def commit_scale(weight_decay: float) -> float:
+    """What the owners multiply each update by, besides its shape's factor: −1/wd, so that the
+    commit is one lerp (:meth:`Elementwise.decay_and_step_`); 1 without weight decay."""
+    return -1.0 / weight_decay if weight_decay >= MIN_FOLDED_DECAY else 1.0
 
 
 def _root(t: Tensor) -> Tensor:
@@ -138,6 +152,11 @@ def decay_and_step_(param: Tensor, update: Tensor, decay: Tensor, lr: Tensor) ->
     param.copy_(param.float() * decay - update.float() * lr)
 
 
+def lerp_step_(param: Tensor, returned: Tensor, weight: Tensor) -> None:
+    """In place, one pass: W ← lerp(W, R, w) in fp32, torch.lerp's formula for w < 1/2."""
+    param.copy_(param.float() + weight * (returned.float() - param.float()))
+
+
 def _marked_as_one_kernel(fn):
     """`fn` run eagerly inside a ``titan_muon/fused:<bytes>`` profiler range, <bytes> being what the
     one kernel it compiles to moves: each tensor argument once, and once more the first where `fn`
@@ -177,21 +196,34 @@ class Elementwise:
         self.momentum_and_nesterov_input_ = wrap(momentum_and_nesterov_input_)
         self.momentum_update_ = wrap(momentum_update_)
         self._decay_and_step_ = wrap(decay_and_step_)
+        self._lerp_step_ = wrap(lerp_step_)
 
-    def decay_and_step_(self, params: list[Tensor], updates: list[Tensor], lr: float, weight_decay: float) -> None:
-        """W ← (1 − lr·wd)·W − lr·U for many blocks: the eager form is torch's foreach kernels (two
-        passes, no temporaries), the compiled one a single pass per block."""
+    def decay_and_step_(self, params: list[Tensor], returned: list[Tensor], lr: float, weight_decay: float) -> None:
+        """W ← (1 − lr·wd)·W − lr·U for many blocks, from R = U·commit_scale(wd) as the owners
+        return it: lerp(W, R, lr·wd) where the scale folds −1/wd in, else (1 − lr·wd)·W − lr·R.
+        Eagerly one foreach lerp (a multiply and an add where W and R differ in dtype, which lerp
+        refuses, or the decay is not folded), compiled one pass per block; no temporaries."""
         if not params:
             return
         device = params[0].device
-        # A 0-dim fp32 factor: a Python float would be rounded to a bf16 parameter's dtype by the
-        # foreach kernels (1 − 0.002 becomes 0.99609375, more than twice the decay).
-        factor = torch.full((), 1 - lr * weight_decay, dtype=torch.float32, device=device)
-        if not self.compiled:
-            if lr * weight_decay != 0:
-                torch._foreach_mul_(params, factor)
-            torch._foreach_add_(params, updates, alpha=-lr)  # mixed dtypes: no converted copy of the updates
+        folded = commit_scale(weight_decay) != 1.0
+        # lr·wd in fp32, as the kernels use it: an fp32 tensor lr (0.0099999998) and the number it
+        # holds (0.01) give the same weight (a product in float64 could round to another fp32 value)
+        weight = torch.tensor(lr, dtype=torch.float32).mul_(weight_decay).item()
+        if not self.compiled and folded and all(p.dtype == r.dtype for p, r in zip(params, returned)):
+            torch._foreach_lerp_(params, returned, weight)
             return
-        step = torch.full((), lr, dtype=torch.float32, device=device)
-        for param, update in zip(params, updates):
-            self._decay_and_step_(param, update, factor, step)
+        # 0-dim fp32 factors: a Python float would be rounded to a bf16 parameter's dtype by the
+        # foreach kernels (1 − 0.002 becomes 0.99609375, more than twice the decay).
+        decay = torch.full((), 1 - weight, dtype=torch.float32, device=device)
+        if not self.compiled:
+            if weight != 0:
+                torch._foreach_mul_(params, decay)
+            torch._foreach_add_(params, returned, alpha=weight if folded else -lr)  # mixed dtypes: no converted copy
+            return
+        step = torch.full((), weight if folded else lr, dtype=torch.float32, device=device)
+        for param, update in zip(params, returned):
+            if folded:
+                self._lerp_step_(param, update, step)
+            else:
+                self._decay_and_step_(param, update, decay, step)
