@@ -103,3 +103,31 @@ def test_cuda_recording_reads_q_and_k_in_place():
     dense.masked_fill_(torch.ones(seq, seq, dtype=torch.bool, device="cuda").triu(1), float("-inf"))
     expected = dense.amax(dim=(0, 2, 3)).float() * dim**-0.5
     torch.testing.assert_close(got, expected, rtol=2.0**-7, atol=0)
+
+
+def test_cuda_fp16_normalization_casts_in_registers():
+    """fp16 NS on a GPU scales a bf16 input without an fp32 copy (newton_schulz._normalized): no
+    allocation beyond the result and the workspace (workspace_bytes charges no staging buffer),
+    and the scaled input equals the CPU's staged fp32 arithmetic up to the fp32 norm's summation
+    order: one fp16 rounding of |x| / ‖x‖ either way, so within one fp16 ulp (eps16·|value|)."""
+    from titan_muon.algorithm.newton_schulz import _normalized, workspace_bytes
+    from titan_muon.buffers import FreshBuffers
+
+    gen = torch.Generator().manual_seed(3)
+    m = (torch.randn(3, 512, 2048, generator=gen) * 1e-6).bfloat16()
+    results = {}
+    for device in ("cpu", "cuda"):
+        x = torch.empty(m.shape, dtype=torch.float16, device=device)
+        norm = torch.empty(3, 1, 1, dtype=torch.float32, device=device)
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        _normalized(m.to(device), x, norm, 1e-7, 1.0, FreshBuffers(torch.device(device)))
+        if device == "cuda":
+            torch.cuda.synchronize()
+            extra = torch.cuda.max_memory_allocated() - before - m.numel() * 2  # the input's own copy on the GPU
+            assert extra <= 1024, extra  # the norm reduction's few bytes of scratch at most
+        results[device] = x.float().cpu()
+    eps16 = torch.finfo(torch.float16).eps
+    assert ((results["cpu"] - results["cuda"]).abs() <= eps16 * results["cpu"].abs() + 1e-7).all()
+    assert workspace_bytes(1, 512, 2048, "gram", torch.float16, "cuda") < workspace_bytes(1, 512, 2048, "gram", torch.float16, "cpu")

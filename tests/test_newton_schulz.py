@@ -575,3 +575,49 @@ def test_batches_run_in_chunks_within_the_workspace_budget():
         assert [c.stop - c.start for c in chunks] == expected and chunks[0].start == 0 and chunks[-1].stop == count
         assert all(a.stop == b.start for a, b in zip(chunks, chunks[1:]))
         assert all(c.stop - c.start == 1 or ns.workspace_bytes(((rows, cols), 0), c.stop - c.start) <= NS_CHUNK_BYTES for c in chunks)
+
+
+# ---- fp16 NS's normalization ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("input_dtype", [torch.float32, torch.bfloat16], ids=["fp32-in", "bf16-in"])
+def test_fp16_normalization_in_registers_gives_the_staged_bits(input_dtype, monkeypatch):
+    """fp16 NS off the CPU takes the norm of the input in fp32 and rounds the fp32 quotient into
+    fp16 as it stores; on CPU the input is first copied into fp32 (stages_in_fp32). Forced onto
+    the CPU, the in-register form is the same arithmetic (torch's CPU casts through temporaries
+    holding the same fp32 values), so the results are the same bits; a GPU's reduction may sum
+    in another order (last bits of the norm: tests/test_cuda.py)."""
+    gen = torch.Generator().manual_seed(7)
+    for shape in [(96, 64), (3, 64, 160)]:
+        m = (torch.randn(*shape, generator=gen) * 1e-6).to(input_dtype)  # below fp16's normal range unscaled
+        for algorithm in ("standard", "gram"):
+            staged = orthogonalize(m, 5, "keller", HALF, algorithm=algorithm)
+            with monkeypatch.context() as patch:
+                patch.setattr(newton_schulz, "stages_in_fp32", lambda dtype, device_type: False)
+                in_registers = orthogonalize(m, 5, "keller", HALF, algorithm=algorithm)
+            assert torch.equal(staged, in_registers), (shape, algorithm)
+
+
+def test_fp16_normalization_on_meta_is_traced_as_two_kernels_reading_the_input_as_it_is():
+    """On meta (standing in for a GPU) the fp16 input scaling is recorded as the two kernels a GPU
+    runs — the fp32 norm reading the bf16 input, the division writing fp16 — with no fp32 copy of
+    the matrix (the CPU's staging moved 2 + 4 + 4 + 4 + 4 + 4 + 2 = 24 bytes per element before
+    the first product; now 2 + 2 + 2 = 6), and workspace_bytes charges no staging buffer."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    from step_trace import trace_kernels
+
+    rows, cols = 1024, 4096
+    m = torch.empty(rows, cols, dtype=torch.bfloat16, device="meta")
+    kernels = trace_kernels(lambda: orthogonalize(m, 5, "keller", HALF, algorithm="gram"))
+    before_products = []
+    for kernel in kernels:
+        if kernel.flops:
+            break
+        before_products.append(kernel)
+    elementwise = sum(k.bytes for k in before_products if k.name == "fused")
+    assert elementwise == rows * cols * 6 + 2 * 4, before_products  # + the fp32 norm, read and written
+    assert not any("_to_copy" in k.name or "copy_" in k.name for k in before_products), before_products
+    assert workspace_bytes(1, rows, cols, "gram", HALF, "meta") < workspace_bytes(1, rows, cols, "gram", HALF, "cpu")

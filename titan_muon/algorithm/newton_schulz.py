@@ -23,6 +23,7 @@ scaled before it is rounded to fp16 and every intermediate stays far below fp16'
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from typing import Callable, NamedTuple
@@ -396,6 +397,54 @@ def gram_iterations(x: Tensor, schedule: list[tuple[float, float, float]], segme
     return x
 
 
+def stages_in_fp32(dtype: torch.dtype, device_type: str) -> bool:
+    """Whether fp16 NS first scales its input in an fp32 copy: on CPU, where torch casts a result
+    of another dtype through a temporary of its own; a GPU casts in registers (_normalized)."""
+    return dtype == torch.float16 and device_type == "cpu"
+
+
+def _normalized(matrix: Tensor, x: Tensor, norm: Tensor, eps: float, safety: float, buffers: Buffers) -> None:
+    """x ← matrix / max(safety·‖matrix‖_F, eps), per matrix, through `norm`: spectral norm at most
+    1, which the Frobenius norm bounds.
+
+    fp16 cannot hold every unscaled input (a momentum of 1e-8 underflows, a sum of squares
+    overflows), so for fp16 NS the norm and the quotient are fp32 and the quotient is rounded
+    once to fp16. On a GPU both kernels read the input as it is: the reduction accumulates a
+    bf16 input in fp32 and the division rounds to fp16 as it stores (4 bytes per element moved
+    for a bf16 input, where a staged copy moves 20). On CPU (stages_in_fp32) the input is first
+    copied into an fp32 buffer from `buffers`, given back once rounded into `x`."""
+    dtype, wide = x.dtype, norm.dtype
+    if dtype == torch.float16 and not stages_in_fp32(dtype, matrix.device.type):
+        with _one_kernel(matrix, norm):
+            torch.linalg.vector_norm(matrix, dim=(-2, -1), keepdim=True, dtype=wide, out=norm)
+        if safety != 1.0:
+            norm.mul_(safety)
+        norm.clamp_(min=eps)
+        with _one_kernel(matrix, norm, x):
+            torch.div(matrix, norm, out=x)
+        return
+    before_staging = buffers.mark()
+    scaled = buffers.take(matrix.shape, wide) if wide != dtype else x
+    source = matrix if matrix.dtype == wide else scaled.copy_(matrix)  # the norm of what is divided
+    torch.linalg.vector_norm(source, dim=(-2, -1), keepdim=True, out=norm)
+    if safety != 1.0:
+        norm.mul_(safety)
+    torch.div(source, norm.clamp_(min=eps), out=scaled)
+    if scaled is not x:
+        x.copy_(scaled)
+        buffers.release(before_staging)
+
+
+def _one_kernel(*tensors: Tensor):
+    """On ``meta`` (the step's trace, scripts/step_trace.py), a range the trace records as one
+    kernel moving `tensors` once each: what a GPU runs, where meta's decompositions would add a
+    converting copy. A no-op elsewhere."""
+    if tensors[0].device.type != "meta":
+        return contextlib.nullcontext()
+    moved = sum(t.numel() * t.element_size() for t in tensors)
+    return torch.profiler.record_function(f"titan_muon/fused:{moved}")
+
+
 def _workspace_cuts(rows: int, cols: int, algorithm: str, dtype: torch.dtype, lead: tuple[int, ...]) -> list[tuple[tuple[int, ...], torch.dtype]]:
     """The buffers one orthogonalize() call on a (*lead, rows, cols) input takes, in order (the
     result excepted), for the input dtype that needs no fp32 staging; `_workspace_peak` adds fp16's."""
@@ -406,25 +455,28 @@ def _workspace_cuts(rows: int, cols: int, algorithm: str, dtype: torch.dtype, le
     return cuts + [((*lead, m, m), dtype)] * 2
 
 
-def _workspace_peak(rows: int, cols: int, algorithm: str, dtype: torch.dtype, lead: tuple[int, ...], size) -> int:
+def _workspace_peak(rows: int, cols: int, algorithm: str, dtype: torch.dtype, lead: tuple[int, ...], size, device_type: str) -> int:
     """The most one call's buffers hold at once, each cut counted as `size(shape, dtype)`. In fp16
-    the input is first scaled in an fp32 buffer, given back once rounded into the fp16 iterate and
-    before the other buffers are taken (orthogonalize)."""
+    the norm is fp32, and on CPU the input is first scaled in an fp32 buffer, given back once
+    rounded into the fp16 iterate and before the other buffers are taken (_normalized)."""
     cuts = _workspace_cuts(rows, cols, algorithm, dtype, lead)
     held = sum(size(shape, d) for shape, d in cuts)
     if dtype != torch.float16:
         return held
     (norm_shape, _), (iterate_shape, _) = cuts[:2]
+    held += size(norm_shape, torch.float32) - size(norm_shape, dtype)
+    if not stages_in_fp32(dtype, device_type):
+        return held
     staging = size(norm_shape, torch.float32) + size(iterate_shape, dtype) + size(iterate_shape, torch.float32)
-    return max(staging, held - size(norm_shape, dtype) + size(norm_shape, torch.float32))
+    return max(staging, held)
 
 
 def workspace_bytes(batch: int, rows: int, cols: int, algorithm: str, dtype: torch.dtype, device_type: str, *,
                     reserved: bool = False) -> int:  # fmt: skip
     """Peak bytes :func:`orthogonalize` holds besides its result for a (batch, rows, cols) input in
     compute dtype `dtype` with a resolved `algorithm`. Per matrix (short side m, long side n): one
-    m × n matrix in the NS dtype (the iterates alternate between it and the result; fp16 first
-    scales in an fp32 copy, given back before the rest is taken), the m × m products — the Gram
+    m × n matrix in the NS dtype (the iterates alternate between it and the result; fp16 on CPU
+    first scales in an fp32 copy, given back before the rest is taken), the m × m products — the Gram
     matrix and the polynomial, and for Gram NS also the half-updated Gram matrix, two accumulated
     polynomials and an fp32 diagonal — and the norm. On CPU a batch runs one matrix at a time, each writing its slice of the result.
     ``reserved``: each buffer counted as an Arena cuts it (buffers.cut_bytes, alignment included),
@@ -432,7 +484,7 @@ def workspace_bytes(batch: int, rows: int, cols: int, algorithm: str, dtype: tor
     Arena's high water: tests/test_newton_schulz.py."""
     size = cut_bytes if reserved else (lambda shape, d: math.prod(shape) * d.itemsize)
     lead = () if device_type == "cpu" or batch == 1 else (batch,)
-    return _workspace_peak(rows, cols, algorithm, dtype, lead, size)
+    return _workspace_peak(rows, cols, algorithm, dtype, lead, size, device_type)
 
 
 def orthogonalize(
@@ -451,7 +503,7 @@ def orthogonalize(
 
     algorithm: "standard", "gram" (same polynomial, iterated on the Gram matrix of the short
     side: fewer FLOPs on rectangular matrices), or "auto" (resolve_algorithm).
-    dtype: the compute dtype, fp32, bf16 or fp16 (fp16: scaled in fp32 first; Gram NS restarts
+    dtype: the compute dtype, fp32, bf16 or fp16 (fp16: scaled in fp32 first, _normalized; Gram NS restarts
     every 2 steps, gram_segments); the result is returned in it, contiguous, in the input's shape.
     scale: the result is scale·U Vᵀ, scaled by the last product itself. out: where to write it
     (contiguous; it may share `matrix`'s memory, which is read first).
@@ -485,22 +537,10 @@ def orthogonalize(
     # The iterates alternate between one buffer and `out`, in the input's orientation, so after an
     # odd number of products (the defaults) the last is in `out`; after an even one it is copied
     # there. `out` is written only once `matrix` has been read: it may be `matrix`'s own memory.
-    # fp16 cannot hold every unscaled input (a momentum of 1e-8 underflows, a sum of squares
-    # overflows): scale in fp32 first, then round once to fp16.
-    staging = torch.promote_types(matrix.dtype, torch.float32) if dtype == torch.float16 else dtype
-    norm = buffers.take((*matrix.shape[:-2], 1, 1), staging)
+    # fp16's norm and quotient are fp32 (_normalized); every other dtype's are the NS dtype's
+    norm = buffers.take((*matrix.shape[:-2], 1, 1), torch.promote_types(matrix.dtype, torch.float32) if dtype == torch.float16 else dtype)
     x = buffers.take(matrix.shape, dtype)
-    before_staging = buffers.mark()
-    scaled = buffers.take(matrix.shape, staging) if staging != dtype else x
-    source = matrix if matrix.dtype == staging else scaled.copy_(matrix)  # the norm of what is divided
-    # Scale so the spectral norm is at most 1 (the Frobenius norm bounds it).
-    torch.linalg.vector_norm(source, dim=(-2, -1), keepdim=True, out=norm)
-    if method == "polar_express":
-        norm.mul_(POLAR_EXPRESS_SAFETY)
-    torch.div(source, norm.clamp_(min=eps), out=scaled)
-    if scaled is not x:
-        x.copy_(scaled)
-        buffers.release(before_staging)
+    _normalized(matrix, x, norm, eps, POLAR_EXPRESS_SAFETY if method == "polar_express" else 1.0, buffers)
     schedule = coefficient_schedule(method, steps)
     if algorithm == "gram":
         x = gram_iterations(x, schedule, gram_segments(steps, dtype), out, buffers, scale)
