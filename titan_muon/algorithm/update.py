@@ -26,6 +26,7 @@ tensors, so a schedule never recompiles, and shapes are dynamic, so uneven shard
 from __future__ import annotations
 
 import math
+import struct
 
 import torch
 from torch import Tensor
@@ -67,6 +68,11 @@ def commit_scale(weight_decay: float) -> float:
     """What the owners multiply each update by, besides its shape's factor: −1/wd, so that the
     commit is one lerp (:meth:`Elementwise.decay_and_step_`); 1 without weight decay."""
     return -1.0 / weight_decay if weight_decay >= MIN_FOLDED_DECAY else 1.0
+
+
+def _fp32(x: float) -> float:
+    """x rounded to the nearest fp32 value, on the host (no tensor, so no kernel to trace)."""
+    return struct.unpack("f", struct.pack("f", x))[0]
 
 
 def _root(t: Tensor) -> Tensor:
@@ -209,7 +215,7 @@ class Elementwise:
         folded = commit_scale(weight_decay) != 1.0
         # lr·wd in fp32, as the kernels use it: an fp32 tensor lr (0.0099999998) and the number it
         # holds (0.01) give the same weight (a product in float64 could round to another fp32 value)
-        weight = torch.tensor(lr, dtype=torch.float32).mul_(weight_decay).item()
+        weight = _fp32(_fp32(lr) * _fp32(weight_decay))
         if not self.compiled and folded and all(p.dtype == r.dtype for p, r in zip(params, returned)):
             torch._foreach_lerp_(params, returned, weight)
             return
