@@ -569,7 +569,7 @@ FINDINGS = """## What the replay shows
   one in-order NCCL stream delays nothing. The 4.7× that issue 16 replayed came from buckets with
   one owner each, which the rounds removed; the second lane is insurance for rounds that are not
   balanced (MoE at large W, a few costly matrices), at the cost of one more communicator per rank set.
-- **Few matrices per owner (Llama-3 8B at W = 64, 3.5 each)**: 1.15× the bound. With fewer than 4·W
+- **Few matrices per owner (Llama-3 8B at W = 64, 3.5 each)**: 1.16× the bound. With fewer than 4·W
   matrices the rounds are few and small, and the first outbound trip and the last return — about
   half of the rank's 11 ms of wire time — have no NS to hide behind. `overlap=True` sends the
   outbound trips during backward.
@@ -577,12 +577,12 @@ FINDINGS = """## What the replay shows
   wire overlaps NS, and it leaves out the elementwise work, which is most of what separates the
   step from NS. Both columns are given; the ratio that says how good the schedule is, is step / bound.
 - **Tensor parallel changes the pieces, not the work.** Llama-3 70B on FSDP 8 × TP 8 replays within
-  1 % of FSDP on 64 (304.6 vs 302.6 ms): every matrix is still spread over all 64 ranks in equal
+  1 % of FSDP on 64 (298.3 vs 296.3 ms): every matrix is still spread over all 64 ranks in equal
   parts (one rank set, one exchange) and orthogonalized once by one owner, so the bytes (4,148 MiB
   per rank) and the NS are the same. Row-wise layers arrive as column blocks, which owners copy
   into place and split back out piece by piece (a copy and a clone per piece, where row blocks are
-  joined by one concatenation per batch of matrices): 2,848 kernels per rank instead of 2,090, 20 ms of host time instead
-  of 15, hidden under compute.
+  joined by one concatenation per batch of matrices): 2,287 kernels per rank instead of 1,525, 16 ms of host time instead
+  of 11, hidden under compute.
 - **Expert parallel does not mean no expert traffic.** Under EP (and efsdp splitting the expert
   dimension) every expert is whole on one rank, and the plan leaves it there when that rank has
   room in the round; it moves some to even out Newton–Schulz. Qwen3-30B-A3B on DP8 EP8 sends up to
@@ -603,7 +603,7 @@ FINDINGS = """## What the replay shows
   step, which writes fp32 momentum while packing), and NS as the H100
   measured it fastest (standard bf16 on Qwen3's 768 × 2048 experts, fp16 Gram on Kimi K2's 2048 ×
   7168 ones), Qwen3's busiest rank computes 73.0 ms: 47.9 ms of NS and 25.1 ms of other work.
-  Kimi K2's busiest stage: 125.2 ms of NS, 32.4 ms of other work. **Launches**: an EP rank holds
+  Kimi K2's busiest stage: 113.3 ms of NS, 32.5 ms of other work. **Launches**: an EP rank holds
   thousands of whole expert matrices, and one element-wise pass per matrix made Qwen3's busiest
   rank launch 8,252 kernels (60 ms of host time at the model's 7 µs; host-bound at 159.1 ms with
   the 18.5 µs per kernel the lent H100's host took). Adjacent blocks now share one pass
@@ -612,16 +612,18 @@ FINDINGS = """## What the replay shows
   compute about even; Llama-3 8B: 124.5 ms, Kimi K2's stage 0: 143.7 ms, both compute-bound).
   The commit's momentum lerp, which recomputed what packing computed, is gone wherever the step
   streams (`commit="auto"`: every row but Kimi K2's, whose pipeline stages commit atomically, so
-  its stages still move 42 bytes per element); what is left is the NS phase's casts
-  (docs/performance.md, "Bytes per Muon element").
+  its stages still move 42 bytes per element); inside the NS phase what is left is scaling the input
+  (12 bytes per element under fp16 Gram NS, whose norm and quotient now read the bf16 arrival as
+  it is: 26 before; 6 under bf16 NS; docs/performance.md, "Bytes per Muon element").
 - **Memory: the streaming step holds its reservation, not every update.** With `commit="auto"` a
   step whose momentum is fp32 on the shards writes each round as it returns and cuts every buffer
   from one reservation made before its first agreement (docs/reliability.md, "The streaming
-  step"): Llama-3 8B at W = 8 peaks at 1,344 MiB per rank (2,592 atomic), Qwen3-30B-A3B on DP8
-  EP8 at 1,376 MiB (7,958 atomic), Llama-3 70B at W = 64 at 5,376 MiB (5,424 atomic). The
-  reservation holds each region's largest round for the whole step, so where the rounds are few
-  it can exceed the atomic step's moving peak: Llama-3 8B at W = 64 (3 rounds) 1,344 MiB against
-  960 atomic. Kimi K2's stages commit atomically (pipeline parallel) and hold 7.9–8.7 GiB.
+  step"): Llama-3 8B at W = 8 peaks at 1,280 MiB per rank (2,176 atomic), Qwen3-30B-A3B on DP8
+  EP8 at 1,376 MiB (7,544 atomic), Llama-3 70B at W = 64 at 5,120 MiB (atomic figures replayed with
+  `commit="atomic"` on 2026-11-28). The reservation holds each region's largest round for the whole
+  step, so where the rounds are few it can exceed the atomic step's moving peak: Llama-3 8B at W = 64
+  (3 rounds) 1,280 MiB against 656 atomic, Llama-3 70B at W = 64 (7 rounds) 5,120 against 4,080.
+  Kimi K2's stages commit atomically (pipeline parallel) and hold 7.9–8.6 GiB.
 
 ## Limits of the model
 
