@@ -45,6 +45,16 @@ def test_hierarchical_exchange_reaches_muon():
     assert muon_kwargs(parse().optimizer)["hierarchical_exchange"] == "auto"
 
 
+def test_keep_reservation_reaches_muon():
+    from titan_muon.torchtitan.v022.optimizer import muon_kwargs
+
+    for value, expected in (("on", True), ("off", False), ("auto", None)):
+        config = parse("--optimizer.keep_reservation", value).optimizer
+        validate_optimizer_config(config)
+        assert muon_kwargs(config)["keep_reservation"] is expected
+    assert muon_kwargs(parse().optimizer)["keep_reservation"] is None
+
+
 def test_unknown_optimizer_key_is_named(tmp_path):
     toml = tmp_path / "bad.toml"
     toml.write_text(Path(MUON_TOML).read_text().replace("ns_steps = 5", "ns_step = 5"))
