@@ -67,6 +67,7 @@ MIN_FOLDED_DECAY = 1e-12
 def commit_scale(weight_decay: float) -> float:
     """What the owners multiply each update by, besides its shape's factor: −1/wd, so that the
     commit is one lerp (:meth:`Elementwise.decay_and_step_`); 1 without weight decay."""
+    weight_decay = float(weight_decay)  # a one-element tensor decay, as torch.optim accepts for lr
     return -1.0 / weight_decay if weight_decay >= MIN_FOLDED_DECAY else 1.0
 
 
