@@ -100,3 +100,30 @@ def test_keep_reservation_holds_the_storage_between_steps_and_reports_it():
     assert Muon([torch.nn.Parameter(torch.zeros(4, 4))]).reservations.keep
     with pytest.raises(ValueError, match="keep_reservation must be True, False or None"):
         Muon([torch.nn.Parameter(torch.zeros(4, 4))], keep_reservation="on")
+
+
+def test_the_reservation_layout_is_computed_once_per_plan_and_settings(monkeypatch):
+    """reserve_rounds sizes the reservation from every round of the plan; the store keeps that
+    layout while the wire and the groups' NS settings stay (a new plan brings a new store), and
+    computes it again when they change."""
+    import titan_muon.algorithm.matrix_step as matrix_step
+
+    calls, original = [], matrix_step.owner_bytes
+
+    def counting(*args):
+        calls.append(1)
+        return original(*args)
+
+    monkeypatch.setattr(matrix_step, "owner_bytes", counting)
+    params = [torch.nn.Parameter(torch.randn(64, 96)), torch.nn.Parameter(torch.randn(32, 96))]
+    opt = Muon(params, lr=0.01)
+    counts = []
+    for step in range(3):
+        if step == 2:
+            opt.param_groups[0]["ns_steps"] = 3
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt.step()
+        counts.append(len(calls))
+    # fp32 momentum on the shards, one process: "auto" streams and reserves from the first step on
+    assert counts[0] > 0 and counts[1] == counts[0] and counts[2] == 2 * counts[0], counts

@@ -28,7 +28,7 @@ from titan_muon.buffers import Buffers, cut_bytes
 from titan_muon.exchange.engine import ExchangeEngine, MemoryAccount, StepFailure
 from titan_muon.exchange.params import MuonParam
 from titan_muon.exchange.plan import Piece, RoundTables, Unit
-from titan_muon.exchange.reservation import ReservationStore, ReservedRounds, largest, reservation_bytes
+from titan_muon.exchange.reservation import ReservationStore, ReservedRounds, RoundBytes, largest, reservation_bytes
 from titan_muon.exchange.redistribute import Batch, local_piece
 from titan_muon.exchange.verdict import Verdict
 from titan_muon.timing import StepTimer, phase
@@ -224,9 +224,14 @@ def reserve_rounds(engines: list[ExchangeEngine], params: list[MuonParam], newto
     tensor from `store` holding every engine's largest round in each region (reservation.py),
     counted in `memory`; or (None, why) if it cannot be allocated. Made before the step's first
     agreement, which carries the failure to every rank before anything is written."""
-    sizes = largest([engine.round_bytes(r, wire, wire, lambda tables, engine=engine: owner_bytes(engine, tables, wire, params, newton_schulz))
-                     for engine in engines for r in range(len(engine.tables))])  # fmt: skip
-    in_flight = max(engine.rounds_in_flight for engine in engines)
+    def layout() -> tuple[RoundBytes, int]:
+        rounds = [engine.round_bytes(r, wire, wire, lambda tables, engine=engine: owner_bytes(engine, tables, wire, params, newton_schulz))
+                  for engine in engines for r in range(len(engine.tables))]  # fmt: skip
+        return largest(rounds), max(engine.rounds_in_flight for engine in engines)
+
+    # Beyond the plan (the store's own), the sizes depend on the wire and each group's NS plan
+    settings = tuple((g.get("ns_algorithm"), repr(g.get("ns_coefficients")), g.get("ns_steps")) for g in newton_schulz.param_groups())
+    sizes, in_flight = store.layout((wire, settings), layout)
     nbytes = reservation_bytes(sizes, in_flight)
     try:
         storage = store.take(nbytes)

@@ -33,7 +33,7 @@ model, docs/performance.md), so there the storage is kept from one step to the n
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, fields
 
 import torch
@@ -115,11 +115,20 @@ class ReservedRounds(RoundBuffers):
 
 class ReservationStore:
     """Hands out a step's reservation: allocated anew each step, or (``keep``) kept from the last
-    step when it has the same size, and then held between steps (``kept_bytes``)."""
+    step when it has the same size, and then held between steps (``kept_bytes``). It lives with
+    one plan (the optimizer makes a new one with every layout), so the reservation's layout is
+    computed once per plan and per `key` of the settings it also depends on (:meth:`layout`)."""
 
     def __init__(self, device: torch.device, keep: bool):
         self.device, self.keep = device, keep
         self._kept: Tensor | None = None
+        self._layout: tuple[Hashable, object] | None = None
+
+    def layout(self, key: Hashable, compute: Callable[[], object]) -> object:
+        """compute(), kept while `key` stays the same."""
+        if self._layout is None or self._layout[0] != key:
+            self._layout = (key, compute())
+        return self._layout[1]
 
     @property
     def kept_bytes(self) -> int:
