@@ -229,9 +229,8 @@ def reserve_rounds(engines: list[ExchangeEngine], params: list[MuonParam], newto
                   for engine in engines for r in range(len(engine.tables))]  # fmt: skip
         return largest(rounds), max(engine.rounds_in_flight for engine in engines)
 
-    # Beyond the plan (the store's own), the sizes depend on the wire and each group's NS plan
-    settings = tuple((g.get("ns_algorithm"), repr(g.get("ns_coefficients")), g.get("ns_steps")) for g in newton_schulz.param_groups())
-    sizes, in_flight = store.layout((wire, settings), layout)
+    # beyond the exchange plan (the store's own), the sizes depend on the wire and the NS plans
+    sizes, in_flight = store.layout((wire, newton_schulz.plan_settings()), layout)
     nbytes = reservation_bytes(sizes, in_flight)
     try:
         storage = store.take(nbytes)

@@ -414,25 +414,28 @@ def _normalized(matrix: Tensor, x: Tensor, norm: Tensor, eps: float, safety: flo
     for a bf16 input, where a staged copy moves 20). On CPU (stages_in_fp32) the input is first
     copied into an fp32 buffer from `buffers`, given back once rounded into `x`."""
     dtype, wide = x.dtype, norm.dtype
-    if dtype == torch.float16 and not stages_in_fp32(dtype, matrix.device.type):
-        with _one_kernel(matrix, norm):
-            torch.linalg.vector_norm(matrix, dim=(-2, -1), keepdim=True, dtype=wide, out=norm)
-        if safety != 1.0:
-            norm.mul_(safety)
-        norm.clamp_(min=eps)
-        with _one_kernel(matrix, norm, x):
-            torch.div(matrix, norm, out=x)
-        return
     before_staging = buffers.mark()
-    scaled = buffers.take(matrix.shape, wide) if wide != dtype else x
-    source = matrix if matrix.dtype == wide else scaled.copy_(matrix)  # the norm of what is divided
-    torch.linalg.vector_norm(source, dim=(-2, -1), keepdim=True, out=norm)
+    if dtype == torch.float16 and not stages_in_fp32(dtype, matrix.device.type):
+        source, scaled, one_kernel = matrix, x, _one_kernel
+    else:  # the input as it is where it has the norm's dtype, else a copy in it (fp32, or the NS dtype)
+        scaled = buffers.take(matrix.shape, wide) if wide != dtype else x
+        source = matrix if matrix.dtype == wide else scaled.copy_(matrix)
+        one_kernel = _as_traced
+    with one_kernel(source, norm):
+        torch.linalg.vector_norm(source, dim=(-2, -1), keepdim=True, dtype=wide, out=norm)
     if safety != 1.0:
         norm.mul_(safety)
-    torch.div(source, norm.clamp_(min=eps), out=scaled)
+    norm.clamp_(min=eps)
+    with one_kernel(source, norm, scaled):
+        torch.div(source, norm, out=scaled)
     if scaled is not x:
         x.copy_(scaled)
         buffers.release(before_staging)
+
+
+def _as_traced(*tensors: Tensor):
+    """Each op recorded as it runs (the staged path: on meta its ops are what a GPU runs)."""
+    return contextlib.nullcontext()
 
 
 def _one_kernel(*tensors: Tensor):

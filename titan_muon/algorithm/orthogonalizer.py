@@ -49,6 +49,11 @@ class Orthogonalizer:
             dtype = torch.bfloat16
         return algorithm, dtype
 
+    def plan_settings(self) -> tuple:
+        """The group settings :meth:`plan` reads, for every group: what a layout derived from the
+        plans (the streaming step's reservation) must be computed again for when it changes."""
+        return tuple((g.get("ns_algorithm"), repr(g.get("ns_coefficients")), g.get("ns_steps")) for g in self.param_groups())
+
     def algorithm(self, group: dict, rows: int, cols: int) -> str:
         return self.plan(group, rows, cols)[0]
 
