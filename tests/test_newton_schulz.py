@@ -466,6 +466,99 @@ def test_workspace_bytes_are_what_is_alive(algorithm, dtype, input_dtype):
         assert torch.equal(cut, fresh)
 
 
+# ---- results written into blocks (a return buffer's pieces) --------------------------------
+
+
+def _cut(rows: int, cols: int, row_cuts: list[int], col_cuts: list[int], dtype=torch.float32):
+    """Rectangles of a (rows, cols) matrix, each a contiguous view of one flat buffer (as a return
+    buffer's pieces are), and the function that puts the buffer back together as a matrix."""
+    rects = [((r0, r1), (c0, c1)) for r0, r1 in zip([0, *row_cuts], [*row_cuts, rows]) for c0, c1 in zip([0, *col_cuts], [*col_cuts, cols])]
+    flat, offset, blocks = torch.empty(rows * cols, dtype=dtype), 0, []
+    for (r0, r1), (c0, c1) in reversed(rects):  # not in matrix order: blocks may lie anywhere
+        size = (r1 - r0) * (c1 - c0)
+        blocks.append(((r0, r1), (c0, c1), flat[offset : offset + size].view(r1 - r0, c1 - c0)))
+        offset += size
+
+    def whole() -> torch.Tensor:
+        out = torch.empty(rows, cols, dtype=dtype)
+        for (r0, r1), (c0, c1), view in blocks:
+            out[r0:r1, c0:c1] = view
+        return out
+
+    return blocks, whole
+
+
+@pytest.mark.parametrize("algorithm", ["standard", "gram"])
+@pytest.mark.parametrize("steps", [0, 1, 2, 5])
+@pytest.mark.parametrize("shape", [(96, 224), (224, 96), (64, 64), (600, 200)])
+def test_results_written_into_blocks_equal_the_whole_result(algorithm, steps, shape):
+    """out=Blocks: each rectangle is its own last product (its rows of the left factor times its
+    columns of the right), written where it belongs; every earlier product is the same as for a
+    whole `out`, so the blocks hold the whole result up to the last GEMM's rounding: a BLAS may
+    sum a dot product of k ≤ 224 terms in another order for another row or column count, fp32
+    rounding of about sqrt(k)·2⁻²⁴ ≈ 1e-6 relative to entries of magnitude ≤ 1.5 (the scale)
+    — hence 1e-5. Steps 0 and 2 (and Gram's even count of runs at 5) end in a copy instead.
+    `spare` (here the input itself, read first) holds the iterates; the input's values are then spent."""
+    rows, cols = shape
+    g = torch.randn(rows, cols, generator=torch.Generator().manual_seed(11))
+    whole = orthogonalize(g, steps, "keller", algorithm=algorithm, scale=1.5)
+    for row_cuts, col_cuts in [([rows // 3, rows // 2], []), ([], [cols // 4]), ([rows // 2], [cols // 3])]:
+        blocks, assembled = _cut(rows, cols, row_cuts, col_cuts)
+        returned = orthogonalize(g, steps, "keller", algorithm=algorithm, scale=1.5, out=blocks)
+        assert returned is blocks
+        torch.testing.assert_close(assembled(), whole, rtol=1e-5, atol=1e-6)
+        blocks, assembled = _cut(rows, cols, row_cuts, col_cuts)
+        spent = g.clone()
+        orthogonalize(spent, steps, "keller", algorithm=algorithm, scale=1.5, out=blocks, spare=spent)
+        torch.testing.assert_close(assembled(), whole, rtol=1e-5, atol=1e-6)
+
+
+def test_blocks_are_checked_before_anything_is_written():
+    g = torch.randn(32, 48)
+    blocks, _ = _cut(32, 48, [16], [])
+    with pytest.raises(ValueError, match="cover 768 of the 1536"):
+        orthogonalize(g, out=blocks[:1])
+    with pytest.raises(ValueError, match=r"block \(16:32, 0:48\) of a \(32, 48\) matrix cannot be a \(16, 48\) torch.bfloat16"):
+        orthogonalize(g, out=_cut(32, 48, [16], [], torch.bfloat16)[0])
+    with pytest.raises(ValueError, match="rectangles of one matrix"):
+        orthogonalize(torch.randn(2, 32, 48), out=blocks)
+    with pytest.raises(ValueError, match="spare must be a contiguous"):
+        orthogonalize(g, out=blocks, spare=torch.empty(48, 32))
+
+
+@pytest.mark.parametrize("algorithm", ["standard", "gram"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_workspace_bytes_with_blocks_are_what_is_alive(algorithm, dtype):
+    """Written into blocks, orthogonalize() allocates its workspace and, without a `spare`, the
+    iterates' second buffer (workspace_bytes(spare=True)); with one, just the workspace; and an
+    Arena's high water is the reserved figure, as for a whole result."""
+    from live_bytes import LiveBytes
+
+    orthogonalize(torch.randn(8, 8), dtype=dtype, algorithm=algorithm)  # first calls allocate caches
+    for rows, cols in [(64, 64), (128, 512), (512, 128), (300, 640)]:
+        m = torch.randn(rows, cols).to(dtype)
+        for given in (None, torch.empty(rows, cols, dtype=dtype)):
+            blocks, _ = _cut(rows, cols, [rows // 2], [], dtype)
+            with LiveBytes() as live:
+                orthogonalize(m, 5, "keller", dtype, algorithm=algorithm, out=blocks, spare=given)
+            charged = workspace_bytes(1, rows, cols, algorithm, dtype, "cpu", spare=given is None)
+            assert live.peak == charged, (rows, cols, given is None, live.peak, charged)
+            arena = Arena(torch.empty(64 << 20, dtype=torch.uint8))
+            orthogonalize(m, 5, "keller", dtype, algorithm=algorithm, out=blocks, spare=given, buffers=arena)
+            reserved = workspace_bytes(1, rows, cols, algorithm, dtype, "cpu", reserved=True, spare=given is None)
+            assert reserved - ALIGNMENT < arena.high_water <= reserved and arena.offset == 0, (rows, cols, arena.high_water, reserved)
+
+
+def test_blocks_are_written_on_cpu_in_the_wire_dtype_only():
+    """Orthogonalizer.writes_blocks: on a CPU when NS computes in the dtype the results travel in;
+    never on GPUs (meta stands in), where a batch's last product stays one batched GEMM."""
+    cpu = Orthogonalizer(lambda: [_group()], resolve_ns_precision("auto", torch.device("cpu")), torch.device("cpu"))
+    key = ((64, 96), 0)
+    assert cpu.writes_blocks(key, torch.float32) and not cpu.writes_blocks(key, torch.bfloat16)
+    meta = Orthogonalizer(lambda: [_group()], resolve_ns_precision("fp32", torch.device("meta")), torch.device("meta"))
+    assert not meta.writes_blocks(key, torch.float32)
+
+
 # ---- optional symmetric GEMM kernels ------------------------------------------------------
 
 

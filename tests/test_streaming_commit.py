@@ -70,8 +70,9 @@ def test_streaming_drops_each_round_of_updates_once_written():
     # update until the end: four rounds more, four fp32 updates more at its peak. Streaming writes
     # each round as it returns and cuts every round's buffers out of one reservation made before
     # the step (titan_muon/exchange/reservation.py), one slot per round in flight: the send buffer
-    # (one process has no receive buffer), the owner area (the arrival, which NS's result then
-    # overwrites, NS's workspace and the update's norm) and the return buffer, whatever the number
+    # (one process has no receive buffer), the owner area (the arrival, whose memory then holds
+    # NS's iterates while on a CPU the last product writes the result straight into the return
+    # buffer, NS's workspace and the update's norm) and the return buffer, whatever the number
     # of rounds; + the 4-byte sum of squared updates (muon/update_rms).
     from titan_muon.algorithm.newton_schulz import workspace_bytes
     from titan_muon.buffers import cut_bytes

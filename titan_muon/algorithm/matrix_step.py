@@ -16,6 +16,7 @@ matrix work needs:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -25,7 +26,7 @@ from titan_muon.algorithm.commit import StepWork, apply_updates, staged_state
 from titan_muon.algorithm.orthogonalizer import Orthogonalizer
 from titan_muon.algorithm.update import Elementwise, coalesce
 from titan_muon.buffers import Buffers, cut_bytes
-from titan_muon.exchange.engine import ExchangeEngine, MemoryAccount, StepFailure
+from titan_muon.exchange.engine import ExchangeEngine, MemoryAccount, ReturnSlots, StepFailure
 from titan_muon.exchange.params import MuonParam
 from titan_muon.exchange.plan import Piece, RoundTables, Unit
 from titan_muon.exchange.reservation import ReservationStore, ReservedRounds, RoundBytes, largest, reservation_bytes
@@ -71,7 +72,7 @@ class MatrixStep:
                 fill=lambda pairs, engine=engine: self.fill(engine, pairs),
                 receive=lambda r, piece, update, engine=engine: self.receive(engine, piece, update),
                 failure=self.failure, memory=self.memory, rounds=self.reserved,
-                orthogonalize=lambda r, batches, buffers, s=s, engine=engine: self.orthogonalize(s, engine, r, batches, scales.get(r, {}), buffers),
+                orthogonalize=lambda r, batches, buffers, returns, s=s, engine=engine: self.orthogonalize(s, engine, r, batches, scales.get(r, {}), buffers, returns),
                 key_of=lambda u, engine=engine: self.ns_key(engine.units[u]),
                 arrived=early.arrived if early is not None else None,
                 settle=(lambda r, s=s, engine=engine: self.replicas.settle(s, r, engine)) if self.replicas is not None else None,
@@ -122,11 +123,12 @@ class MatrixStep:
     # ------------------------------------------------------------------ owner side
 
     def orthogonalize(self, s: int, engine: ExchangeEngine, r: int, batches: list[Batch], scales: dict[int, float],
-                      buffers: Buffers) -> tuple[dict[int, Tensor], int]:  # fmt: skip
-        """Each batch's scaled updates and the bytes of the results counted in the memory account:
-        one result tensor per batch, the input's own memory where the dtypes have one size (NS reads
-        its input before writing), else from `buffers`; computed chunk by chunk
-        (Orthogonalizer.chunks) with the chunk's workspace from `buffers` too."""
+                      buffers: Buffers, returns: Callable[[], ReturnSlots]) -> tuple[dict[int, Tensor], int]:  # fmt: skip
+        """Each batch's scaled updates, written straight into the return buffer's slots (`returns`)
+        where Orthogonalizer.writes_blocks, else returned with the bytes of those results counted
+        in the memory account: one result tensor per batch, the input's own memory where the dtypes
+        have one size (NS reads its input before writing), else from `buffers`; computed chunk by
+        chunk (Orthogonalizer.chunks) with the chunk's workspace from `buffers` too."""
         results: dict[int, Tensor] = {}
         counted = 0
         memory = self.memory
@@ -136,6 +138,18 @@ class MatrixStep:
         memory.add(made)
         for batch, matrices in zip(batches, inputs):
             dtype = self.newton_schulz.result_dtype(batch.key)
+            if self.newton_schulz.writes_blocks(batch.key, self.comm_dtype):
+                slots = returns()
+                # the arrivals, once read, hold iterates (inputs made here may be kept: staged momentum)
+                reuse = matrices is batch.matrices and results_replace_arrivals(matrices.dtype, dtype)
+                workspace = self.newton_schulz.workspace_bytes(batch.key, 1, spare=not reuse)
+                memory.add(workspace)
+                for u, matrix in zip(batch.units, matrices):
+                    blocks = [(piece.rows, piece.cols, view) for piece, view in slots[u]]
+                    self.newton_schulz(batch.key, matrix, self.timer, self.work, out=blocks, buffers=buffers,
+                                       spare=matrix.view(dtype) if reuse else None)  # fmt: skip
+                memory.free(workspace)
+                continue
             in_place = matrices is batch.matrices and results_replace_arrivals(matrices.dtype, dtype)
             out = matrices.view(dtype) if in_place else buffers.take(matrices.shape, dtype)
             if not in_place:
@@ -202,8 +216,8 @@ def ns_key(params: list[MuonParam], unit: Unit) -> tuple[tuple[int, int], int]:
 def owner_bytes(engine: ExchangeEngine, tables: RoundTables, wire: torch.dtype, params: list[MuonParam],
                 newton_schulz: Orthogonalizer) -> int:  # fmt: skip
     """What MatrixStep.orthogonalize and the assembly before it cut from a round's owner area:
-    each batch as it arrived, its results where they cannot take its place, and the largest
-    chunk's workspace (reservation.py).
+    each batch as it arrived, its results where they are neither written into the return buffer
+    nor can take its place, and the largest chunk's workspace (reservation.py).
     Only for matrices whose momentum lives on the shards (the owners make no inputs)."""
     counts: dict[tuple, int] = {}
     for u in tables.owned:
@@ -212,7 +226,11 @@ def owner_bytes(engine: ExchangeEngine, tables: RoundTables, wire: torch.dtype, 
     total, workspace = 0, 0
     for key, count in counts.items():
         (rows, cols), dtype = key[0], newton_schulz.result_dtype(key)
-        total += cut_bytes((count, rows, cols), wire) + (0 if results_replace_arrivals(wire, dtype) else cut_bytes((count, rows, cols), dtype))
+        total += cut_bytes((count, rows, cols), wire)
+        if newton_schulz.writes_blocks(key, wire):  # results in the return buffer, one matrix at a time, iterating in the arrival
+            workspace = max(workspace, newton_schulz.workspace_bytes(key, 1, reserved=True))
+            continue
+        total += 0 if results_replace_arrivals(wire, dtype) else cut_bytes((count, rows, cols), dtype)
         for chunk in newton_schulz.chunks(key, count):
             workspace = max(workspace, newton_schulz.workspace_bytes(key, chunk.stop - chunk.start, reserved=True))
     return total + workspace

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+from collections.abc import Sequence
 from typing import Callable, NamedTuple
 
 import torch
@@ -343,11 +344,34 @@ def _times_x(poly: Tensor, x: Tensor, a: float, alpha: float, out: Tensor) -> Te
     return _addmm(x, left, right, a * alpha, alpha, out)
 
 
+# A matrix's result given as rectangles of it: ((row start, row end), (column start, column end),
+# a tensor of that shape to write them into), covering it once.
+Blocks = Sequence[tuple[tuple[int, int], tuple[int, int], Tensor]]
+
+
+def _times_x_into(blocks: Blocks, poly: Tensor, x: Tensor, a: float, alpha: float) -> None:
+    """_times_x written rectangle by rectangle into `blocks` (one 2-D x): each rectangle is its
+    rows of the left factor times its columns of the right one, a GEMM of its own."""
+    tall = x.size(-2) > x.size(-1)
+    left, right = (x, poly.mT) if tall else (poly, x)
+    for (r0, r1), (c0, c1), target in blocks:
+        bias = x[r0:r1, c0:c1] if a != 0.0 else target
+        torch.addmm(bias, left[r0:r1], right[:, c0:c1], beta=a * alpha, alpha=alpha, out=target)
+
+
+def _last_product(poly: Tensor, x: Tensor, a: float, alpha: float, spare: Tensor, into: Blocks | None) -> Tensor | None:
+    if into is None:
+        return _times_x(poly, x, a, alpha, spare)
+    _times_x_into(into, poly, x, a, alpha)
+    return None
+
+
 def standard_iterations(x: Tensor, schedule: list[tuple[float, float, float]], spare: Tensor, buffers: Buffers,
-                        scale: float = 1.0) -> Tensor:  # fmt: skip
+                        scale: float = 1.0, into: Blocks | None = None) -> Tensor | None:  # fmt: skip
     """X ← a·X + (b·G + c·G²)·X with G = X Xᵀ (X the short side first), once per (a, b, c). The
     iterates alternate between `x` and `spare` (both in the input's orientation, both
-    overwritten); the last, scaled by `scale`, is returned: in `spare` for an odd number of steps."""
+    overwritten); the last, scaled by `scale`, is returned: in `spare` for an odd number of steps;
+    or written into `into` (then None is returned)."""
     w = _short_side_first(x)
     square = (*w.shape[:-1], w.size(-2))
     gram, poly = buffers.take(square, x.dtype), buffers.take(square, x.dtype)
@@ -355,12 +379,14 @@ def standard_iterations(x: Tensor, schedule: list[tuple[float, float, float]], s
         w = _short_side_first(x)
         torch.matmul(w, w.mT, out=gram)
         _addmm(gram, gram, gram, b, c, poly)
-        x, spare = _times_x(poly, x, a, scale if i + 1 == len(schedule) else 1.0, spare), x
+        if i + 1 == len(schedule):
+            return _last_product(poly, x, a, scale, spare, into)
+        x, spare = _times_x(poly, x, a, 1.0, spare), x
     return x
 
 
 def gram_iterations(x: Tensor, schedule: list[tuple[float, float, float]], segments: tuple[int, ...], spare: Tensor,
-                    buffers: Buffers, scale: float = 1.0) -> Tensor:  # fmt: skip
+                    buffers: Buffers, scale: float = 1.0, into: Blocks | None = None) -> Tensor | None:  # fmt: skip
     """The same polynomial as standard_iterations, iterated on the small m×m Gram matrix.
 
     With P = a·I + B, B = b·G + c·G², one step is X ← P X and G ← P G P (P commutes with G).
@@ -373,7 +399,8 @@ def gram_iterations(x: Tensor, schedule: list[tuple[float, float, float]], segme
     split: P and Q commute only up to rounding, and mirroring one triangle of their product
     breaks Q X = P (Q_prev X) (measured: 10x the rounding error on low-rank fp32 inputs).
     X ← Q X alternates between `x` and `spare` (in the input's orientation, both overwritten);
-    the last, scaled by `scale`, is returned: in `spare` for an odd number of runs.
+    the last, scaled by `scale`, is returned: in `spare` for an odd number of runs; or written
+    into `into` (then None is returned).
     """
     m = min(x.shape[-2:])
     square = (*x.shape[:-2], m, m)
@@ -393,7 +420,9 @@ def gram_iterations(x: Tensor, schedule: list[tuple[float, float, float]], segme
                 half = _symmetric_addmm(gram, poly, gram, half, beta=a)
                 gram = _symmetric_addmm(half, poly, half, gram, beta=a)
         start += length
-        x, spare = _times_x(accumulated, x, 0.0, scale if run + 1 == len(segments) else 1.0, spare), x
+        if run + 1 == len(segments):
+            return _last_product(accumulated, x, 0.0, scale, spare, into)
+        x, spare = _times_x(accumulated, x, 0.0, 1.0, spare), x
     return x
 
 
@@ -448,21 +477,24 @@ def _one_kernel(*tensors: Tensor):
     return torch.profiler.record_function(f"titan_muon/fused:{moved}")
 
 
-def _workspace_cuts(rows: int, cols: int, algorithm: str, dtype: torch.dtype, lead: tuple[int, ...]) -> list[tuple[tuple[int, ...], torch.dtype]]:
+def _workspace_cuts(rows: int, cols: int, algorithm: str, dtype: torch.dtype, lead: tuple[int, ...],
+                    spare: bool = False) -> list[tuple[tuple[int, ...], torch.dtype]]:  # fmt: skip
     """The buffers one orthogonalize() call on a (*lead, rows, cols) input takes, in order (the
-    result excepted), for the input dtype that needs no fp32 staging; `_workspace_peak` adds fp16's."""
+    result excepted; ``spare``: the iterates' second buffer, taken when the result goes into
+    blocks and no spare is given), for the input dtype that needs no fp32 staging; `_workspace_peak` adds fp16's."""
     m, n = sorted((rows, cols))
-    cuts = [((*lead, 1, 1), dtype), ((*lead, rows, cols), dtype)]
+    cuts = [((*lead, 1, 1), dtype)] + [((*lead, rows, cols), dtype)] * (2 if spare else 1)
     if algorithm == "gram":
         return cuts + [((*lead, m, m), dtype)] * 5 + [((*lead, m), torch.float32)]  # + the fp32 diagonal of P = a·I + B
     return cuts + [((*lead, m, m), dtype)] * 2
 
 
-def _workspace_peak(rows: int, cols: int, algorithm: str, dtype: torch.dtype, lead: tuple[int, ...], size, device_type: str) -> int:
+def _workspace_peak(rows: int, cols: int, algorithm: str, dtype: torch.dtype, lead: tuple[int, ...], size, device_type: str,
+                    spare: bool = False) -> int:  # fmt: skip
     """The most one call's buffers hold at once, each cut counted as `size(shape, dtype)`. In fp16
     the norm is fp32, and on CPU the input is first scaled in an fp32 buffer, given back once
     rounded into the fp16 iterate and before the other buffers are taken (_normalized)."""
-    cuts = _workspace_cuts(rows, cols, algorithm, dtype, lead)
+    cuts = _workspace_cuts(rows, cols, algorithm, dtype, lead, spare)
     held = sum(size(shape, d) for shape, d in cuts)
     if dtype != torch.float16:
         return held
@@ -475,19 +507,20 @@ def _workspace_peak(rows: int, cols: int, algorithm: str, dtype: torch.dtype, le
 
 
 def workspace_bytes(batch: int, rows: int, cols: int, algorithm: str, dtype: torch.dtype, device_type: str, *,
-                    reserved: bool = False) -> int:  # fmt: skip
+                    reserved: bool = False, spare: bool = False) -> int:  # fmt: skip
     """Peak bytes :func:`orthogonalize` holds besides its result for a (batch, rows, cols) input in
     compute dtype `dtype` with a resolved `algorithm`. Per matrix (short side m, long side n): one
     m × n matrix in the NS dtype (the iterates alternate between it and the result; fp16 on CPU
     first scales in an fp32 copy, given back before the rest is taken), the m × m products — the Gram
     matrix and the polynomial, and for Gram NS also the half-updated Gram matrix, two accumulated
     polynomials and an fp32 diagonal — and the norm. On CPU a batch runs one matrix at a time, each writing its slice of the result.
+    ``spare``: the result is written into Blocks and no spare is given: the iterates take a second m × n buffer.
     ``reserved``: each buffer counted as an Arena cuts it (buffers.cut_bytes, alignment included),
     what a reservation must hold; otherwise as allocated. Measured against storage lifetimes and an
     Arena's high water: tests/test_newton_schulz.py."""
     size = cut_bytes if reserved else (lambda shape, d: math.prod(shape) * d.itemsize)
     lead = () if device_type == "cpu" or batch == 1 else (batch,)
-    return _workspace_peak(rows, cols, algorithm, dtype, lead, size, device_type)
+    return _workspace_peak(rows, cols, algorithm, dtype, lead, size, device_type, spare)
 
 
 def orthogonalize(
@@ -499,9 +532,10 @@ def orthogonalize(
     algorithm: str = "standard",
     *,
     scale: float = 1.0,
-    out: Tensor | None = None,
+    out: Tensor | Blocks | None = None,
+    spare: Tensor | None = None,
     buffers: Buffers | None = None,
-) -> Tensor:
+) -> Tensor | Blocks:
     """Approximate U Vᵀ of the SVD U S Vᵀ of `matrix` (or of each matrix of a batch).
 
     algorithm: "standard", "gram" (same polynomial, iterated on the Gram matrix of the short
@@ -509,7 +543,11 @@ def orthogonalize(
     dtype: the compute dtype, fp32, bf16 or fp16 (fp16: scaled in fp32 first, _normalized; Gram NS restarts
     every 2 steps, gram_segments); the result is returned in it, contiguous, in the input's shape.
     scale: the result is scale·U Vᵀ, scaled by the last product itself. out: where to write it
-    (contiguous; it may share `matrix`'s memory, which is read first).
+    (contiguous; it may share `matrix`'s memory, which is read first), or, for one matrix, the
+    :data:`Blocks` to write its rectangles into (each its own last product, written as the
+    product is made: no copy of the result); the iterates then alternate between a buffer of
+    their own and `spare` (contiguous, in the input's shape and the compute dtype; it may share
+    `matrix`'s memory; default: one more buffer).
     buffers: where the workspace (and a result without `out`) comes from (default: allocated);
     everything taken from it is given back before returning, except the result.
     """
@@ -526,7 +564,10 @@ def orthogonalize(
             f"({FP16_PEAK_LIMIT:.3g}); use dtype torch.bfloat16 or torch.float32 (ns_dtype 'bf16' or 'fp32')"
         )
     buffers = buffers if buffers is not None else FreshBuffers(matrix.device)
-    if out is None:
+    into = None if out is None or isinstance(out, Tensor) else out
+    if into is not None:
+        _check_blocks(into, matrix, dtype)
+    elif out is None:
         out = buffers.take(matrix.shape, dtype)
     elif out.shape != matrix.shape or out.dtype != dtype or not out.is_contiguous():
         raise ValueError(f"orthogonalize: out must be a contiguous {tuple(matrix.shape)} {dtype} tensor")
@@ -545,11 +586,34 @@ def orthogonalize(
     x = buffers.take(matrix.shape, dtype)
     _normalized(matrix, x, norm, eps, POLAR_EXPRESS_SAFETY if method == "polar_express" else 1.0, buffers)
     schedule = coefficient_schedule(method, steps)
+    if into is None:
+        spare = out
+    elif spare is None:
+        spare = buffers.take(matrix.shape, dtype)
+    elif spare.shape != matrix.shape or spare.dtype != dtype or not spare.is_contiguous():
+        raise ValueError(f"orthogonalize: spare must be a contiguous {tuple(matrix.shape)} {dtype} tensor")
     if algorithm == "gram":
-        x = gram_iterations(x, schedule, gram_segments(steps, dtype), out, buffers, scale)
+        x = gram_iterations(x, schedule, gram_segments(steps, dtype), spare, buffers, scale, into)
     else:
-        x = standard_iterations(x, schedule, out, buffers, scale)
-    if x is not out:  # an even number of products (or none)
+        x = standard_iterations(x, schedule, spare, buffers, scale, into)
+    if into is not None and x is not None:  # no products
+        for (r0, r1), (c0, c1), target in into:
+            target.copy_(x[r0:r1, c0:c1])
+    elif x is not None and x is not out:  # an even number of products (or none)
         out.copy_(x)
     buffers.release(mark)
     return out
+
+
+def _check_blocks(blocks: Blocks, matrix: Tensor, dtype: torch.dtype) -> None:
+    """Blocks are for one matrix, in the compute dtype, shaped as their rectangles, covering it."""
+    if matrix.ndim != 2:
+        raise ValueError(f"orthogonalize: blocks are the rectangles of one matrix, got a batch of shape {tuple(matrix.shape)}")
+    area = 0
+    for (r0, r1), (c0, c1), target in blocks:
+        if target.shape != (r1 - r0, c1 - c0) or target.dtype != dtype or not (0 <= r0 < r1 <= matrix.size(0) and 0 <= c0 < c1 <= matrix.size(1)):
+            raise ValueError(f"orthogonalize: block ({r0}:{r1}, {c0}:{c1}) of a {tuple(matrix.shape)} matrix cannot be a "
+                             f"{tuple(target.shape)} {target.dtype} tensor (expected {dtype})")  # fmt: skip
+        area += (r1 - r0) * (c1 - c0)
+    if area != matrix.numel():
+        raise ValueError(f"orthogonalize: blocks cover {area} of the {matrix.numel()} entries of a {tuple(matrix.shape)} matrix")

@@ -9,6 +9,7 @@ from torch import Tensor
 
 from titan_muon.algorithm.newton_schulz import (
     FP16_PEAK_LIMIT,
+    Blocks,
     NSPrecision,
     half_precision_peak,
     newton_schulz_flops,
@@ -69,23 +70,33 @@ class Orthogonalizer:
         size = -(-count // -(-count // size))  # as many chunks as needed, of even size
         return [slice(start, min(start + size, count)) for start in range(0, count, size)]
 
-    def workspace_bytes(self, key: tuple, count: int, reserved: bool = False) -> int:
+    def workspace_bytes(self, key: tuple, count: int, reserved: bool = False, spare: bool = False) -> int:
         """What orthogonalizing a batch of `count` matrices holds at its peak besides its results
-        (newton_schulz.workspace_bytes; ``reserved``: as cut from an Arena) and the update's norm."""
+        (newton_schulz.workspace_bytes; ``reserved``: as cut from an Arena; ``spare``: results
+        written into blocks with a spare iterate of NS's own) and the update's norm."""
         shape, group_index = key
         algorithm, dtype = self.plan(self.param_groups()[group_index], *shape)
         norm = cut_bytes((), torch.float32) if reserved else 4
-        return workspace_bytes(count, *shape, algorithm, dtype, self.device.type, reserved=reserved) + norm
+        return workspace_bytes(count, *shape, algorithm, dtype, self.device.type, reserved=reserved, spare=spare) + norm
 
     def result_dtype(self, key: tuple) -> torch.dtype:
         shape, group_index = key
         return self.plan(self.param_groups()[group_index], *shape)[1]
 
-    def __call__(self, key: tuple, matrices: Tensor, timer: StepTimer, work, out: Tensor | None = None,
-                 buffers: Buffers | None = None) -> Tensor:  # fmt: skip
+    def writes_blocks(self, key: tuple, dtype: torch.dtype) -> bool:
+        """Whether results due in `dtype` are written straight into their blocks (a return buffer's
+        pieces) by Newton–Schulz's last products instead of copied there afterwards: where NS runs one
+        matrix at a time (a CPU) and computes in `dtype`. On GPUs a batch's last product stays one
+        batched GEMM, which W pieces per matrix would cut into W."""
+        return self.device.type == "cpu" and self.result_dtype(key) == dtype
+
+    def __call__(self, key: tuple, matrices: Tensor, timer: StepTimer, work, out: Tensor | Blocks | None = None,
+                 buffers: Buffers | None = None, spare: Tensor | None = None) -> Tensor | Blocks:  # fmt: skip
         """The updates of `matrices` as the owners return them, scaled by their shape's factor and
         commit_scale (−1/wd: the commit is then one lerp, update.py), written into `out` (default:
-        taken from `buffers`); the workspace comes from `buffers` (default: allocated) and is given back."""
+        taken from `buffers`; Blocks: one matrix's, writes_blocks, its iterates alternating with
+        `spare`, newton_schulz.orthogonalize); the workspace comes from `buffers` (default:
+        allocated) and is given back."""
         shape, group_index = key
         group = self.param_groups()[group_index]
         steps, (algorithm, dtype) = group["ns_steps"], self.plan(group, *shape)
@@ -96,14 +107,17 @@ class Orthogonalizer:
             # the NS dtype: the value the wire carries anyway.
             folded = commit_scale(group["weight_decay"])
             scaled = orthogonalize(matrices, steps, group["ns_coefficients"], dtype, group["ns_eps"], algorithm,
-                                   scale=update_scale(group["adjust_lr_fn"], *shape) * folded, out=out, buffers=buffers)  # fmt: skip
+                                   scale=update_scale(group["adjust_lr_fn"], *shape) * folded, out=out, spare=spare, buffers=buffers)  # fmt: skip
         timer.stop("ns")
-        work.ns_flops += matrices.shape[0] * newton_schulz_flops(*shape, steps, algorithm, dtype, matrices.device.type)
+        count = 1 if matrices.ndim == 2 else matrices.shape[0]
+        work.ns_flops += count * newton_schulz_flops(*shape, steps, algorithm, dtype, matrices.device.type)
         with phase("update_norm"):
             mark = buffers.mark()
-            norm = torch.linalg.vector_norm(scaled, dtype=torch.float32, out=buffers.take((), torch.float32))
+            norm = buffers.take((), torch.float32)
             lr = group["lr"].reshape(()) if isinstance(group["lr"], Tensor) else group["lr"]  # a one-element tensor lr
-            work.update_sq.add_(norm.square_().mul_((lr / folded) ** 2))  # the RMS of lr·U
+            for part in [scaled] if isinstance(scaled, Tensor) else [t for _, _, t in scaled]:
+                torch.linalg.vector_norm(part, dtype=torch.float32, out=norm)
+                work.update_sq.add_(norm.square_().mul_((lr / folded) ** 2))  # the RMS of lr·U
             buffers.release(mark)
-        work.update_numel += scaled.numel()
+        work.update_numel += matrices.numel()
         return scaled

@@ -46,9 +46,11 @@ from titan_muon.exchange.redistribute import (
     ColumnMap,
     assemble,
     disassemble,
+    disassemble_into,
     outbound_slots,
     piece_columns,
     split_counts,
+    unit_slots,
 )
 from titan_muon.exchange.reservation import RoundBuffers, RoundBytes
 from titan_muon.exchange.transport import (
@@ -122,7 +124,10 @@ def agree_on_success(transport: Transport, failure: StepFailure, streaming: bool
 
 
 Fill = Callable[[list[tuple[Piece, Tensor]]], None]  # writes a round's outbound pieces into their slots of the send buffer
-Orthogonalize = Callable[[int, list[Batch], Buffers], tuple[dict[int, Tensor], int]]  # round, owned batches, buffers -> result per unit, bytes it counted
+ReturnSlots = dict[int, list[tuple[Piece, Tensor]]]  # per owned unit, its pieces' views of the return buffer (unit_slots)
+# round, owned batches, buffers, the return buffer's slots (taken on the first call) -> result per
+# unit not written into those slots, bytes it counted
+Orthogonalize = Callable[[int, list[Batch], Buffers, Callable[[], ReturnSlots]], tuple[dict[int, Tensor], int]]
 Receive = Callable[[int, Piece, Tensor], None]  # round, outbound piece, its update (a view of the return buffer)
 
 
@@ -316,14 +321,29 @@ class ExchangeEngine:
             if len(returning) == self.rounds_in_flight:  # the oldest return, in before this round's is packed
                 held += self._receive(*returning.pop(0), receive, returned, failure, memory)
             if batches is not None and failure.error is None:
+                slots: ReturnSlots | None = None
+
+                def return_slots() -> ReturnSlots:
+                    """The return buffer, taken before Newton–Schulz writes into it."""
+                    nonlocal back, slots, counted
+                    if slots is None:
+                        back = rounds_buffers.returning(r).take((tables.recv_numel,), return_dtype)
+                        counted = back.numel() * back.element_size()
+                        memory.add(counted)
+                        slots = unit_slots(tables, back)
+                    return slots
+
                 try:
-                    results, result_bytes = orthogonalize(r, batches, rounds_buffers.owner(r))  # counted in `memory`
+                    results, result_bytes = orthogonalize(r, batches, rounds_buffers.owner(r), return_slots)  # counted in `memory`
                     with phase("disassemble"):
-                        back = disassemble(tables, results, return_dtype, rounds_buffers.returning(r))
-                    counted = back.numel() * back.element_size()  # alive beside the batches and results it is cut from
-                    memory.add(counted)
+                        if slots is None:
+                            back = disassemble(tables, results, return_dtype, rounds_buffers.returning(r))
+                            counted = back.numel() * back.element_size()  # alive beside the batches and results it is cut from
+                            memory.add(counted)
+                        else:
+                            disassemble_into(slots, results)
                     memory.free(result_bytes)
-                    del results  # not alive through the next round's Newton-Schulz
+                    del results, slots  # not alive through the next round's Newton-Schulz
                 except Exception as error:  # noqa: BLE001 - settled on every rank in agree_on_success
                     failure.record(error, f"Newton-Schulz of round {r}")
             memory.free(batch_bytes)

@@ -8,6 +8,7 @@ process. A round trip, on every rank::
     received = all_to_all(send, tables.send_counts, tables.recv_counts)
     batches = assemble(tables, received, ...)                   # whole matrices I own
     back = disassemble(tables, results)                         # ordered by source
+    # (or: NS writes each result's pieces into unit_slots(tables, back) as it makes them)
     mine = all_to_all(back, tables.recv_counts, tables.send_counts)
     for piece, update in outbound_slots(tables, mine): ...      # one view per outbound piece
 
@@ -103,9 +104,7 @@ def assemble(
     expert sharding) are stacked with one ``torch.cat`` per batch; pieces that cover only some
     columns (tensor parallel) are copied into place. The batches come from `buffers` (default: allocated).
     """
-    views: dict[int, list[tuple[Piece, Tensor]]] = defaultdict(list)
-    for piece, view in inbound_slots(tables, received):
-        views[piece.unit].append((piece, view))
+    views = unit_slots(tables, received)
     groups: dict[Hashable, list[int]] = defaultdict(list)
     for u in tables.owned:
         groups[key_of(u)].append(u)
@@ -114,7 +113,7 @@ def assemble(
     batches = []
     for key, members in groups.items():
         rows, cols = units[members[0]].shape
-        ordered = [pv for u in members for pv in sorted(views[u], key=lambda pv: (pv[0].rows[0], pv[0].cols[0]))]
+        ordered = [pv for u in members for pv in views[u]]
         matrices = buffers.take((len(members), rows, cols), received.dtype)
         if all(piece.cols == (0, cols) for piece, _ in ordered):
             torch.cat([v for _, v in ordered], out=matrices.view(-1, cols))
@@ -126,7 +125,26 @@ def assemble(
     return batches
 
 
+def unit_slots(tables: RoundTables, buffer: Tensor) -> dict[int, list[tuple[Piece, Tensor]]]:
+    """Per unit this rank owns in the round, its (piece, view of `buffer`) in inbound layout,
+    ordered by (first row, first column)."""
+    slots: dict[int, list[tuple[Piece, Tensor]]] = defaultdict(list)
+    for piece, view in inbound_slots(tables, buffer):
+        slots[piece.unit].append((piece, view))
+    for pieces in slots.values():
+        pieces.sort(key=lambda pv: (pv[0].rows[0], pv[0].cols[0]))
+    return slots
+
+
 def disassemble(tables: RoundTables, results: dict[int, Tensor], dtype: torch.dtype, buffers: Buffers) -> Tensor:
     """The return buffer, from `buffers`: each source rank's pieces of the owned units' results, in inbound order."""
     parts = [results[p.unit][p.rows[0] : p.rows[1], p.cols[0] : p.cols[1]] for p in tables.inbound]
     return pack(parts, dtype, buffers)  # one concatenation in inbound (slot) order
+
+
+def disassemble_into(slots: dict[int, list[tuple[Piece, Tensor]]], results: dict[int, Tensor]) -> None:
+    """`results` copied piece by piece into their slots of a return buffer (unit_slots) whose other
+    units' pieces were written already (Newton–Schulz's last products, writing into blocks)."""
+    for u, result in results.items():
+        for piece, view in slots[u]:
+            view.copy_(result[piece.rows[0] : piece.rows[1], piece.cols[0] : piece.cols[1]])

@@ -12,10 +12,12 @@ round's buffers out of it, in three regions (engine.ExchangeEngine.run):
 * **receive**: ``rounds_in_flight`` slots, each holding one round's receive buffer: round r's
   matrices are assembled out of it before round r + rounds_in_flight is launched.
 * **owner**: one area, emptied at the start of every round: the assembled batches, their
-  Newton–Schulz results and the workspace of one chunk at a time.
+  Newton–Schulz results (none on a CPU where NS computes in the wire dtype: its last product
+  writes into the return buffer) and the workspace of one chunk at a time.
 * **return**: ``rounds_in_flight`` slots, each holding one round's return buffer and the buffer
   its updates come back in. Round r's slot is taken again by round r + rounds_in_flight, whose
-  return buffer is filled only after round r's updates were written and dropped.
+  return buffer is taken (before its NS where NS writes into it) only after round r's updates
+  were written and dropped.
 
 A slot is reused only by work queued after the work that last used it on the same stream (the
 device's default stream waits for each collective before its buffers are read), so the reuse
