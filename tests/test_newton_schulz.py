@@ -511,6 +511,12 @@ def test_results_written_into_blocks_equal_the_whole_result(algorithm, steps, sh
         spent = g.clone()
         orthogonalize(spent, steps, "keller", algorithm=algorithm, scale=1.5, out=blocks, spare=spent)
         torch.testing.assert_close(assembled(), whole, rtol=1e-5, atol=1e-6)
+    # a batch: one Blocks per matrix
+    pair = torch.stack([g, g.flip(0)])
+    cuts = [_cut(rows, cols, [rows // 2], [cols // 3]) for _ in range(2)]
+    orthogonalize(pair, steps, "keller", algorithm=algorithm, scale=1.5, out=[blocks for blocks, _ in cuts], spare=pair.clone())
+    for (_, assembled), expected in zip(cuts, orthogonalize(pair, steps, "keller", algorithm=algorithm, scale=1.5)):
+        torch.testing.assert_close(assembled(), expected, rtol=1e-5, atol=1e-6)
 
 
 def test_blocks_are_checked_before_anything_is_written():
@@ -520,8 +526,8 @@ def test_blocks_are_checked_before_anything_is_written():
         orthogonalize(g, out=blocks[:1])
     with pytest.raises(ValueError, match=r"block \(16:32, 0:48\) of a \(32, 48\) matrix cannot be a \(16, 48\) torch.bfloat16"):
         orthogonalize(g, out=_cut(32, 48, [16], [], torch.bfloat16)[0])
-    with pytest.raises(ValueError, match="rectangles of one matrix"):
-        orthogonalize(torch.randn(2, 32, 48), out=blocks)
+    with pytest.raises(ValueError, match="a batch of 2 matrices needs as many Blocks"):
+        orthogonalize(torch.randn(2, 32, 48), out=[blocks])
     with pytest.raises(ValueError, match="spare must be a contiguous"):
         orthogonalize(g, out=blocks, spare=torch.empty(48, 32))
 

@@ -144,10 +144,13 @@ class MatrixStep:
                 reuse = matrices is batch.matrices and results_replace_arrivals(matrices.dtype, dtype)
                 workspace = self.newton_schulz.workspace_bytes(batch.key, 1, spare=not reuse)
                 memory.add(workspace)
-                for u, matrix in zip(batch.units, matrices):
-                    blocks = [(piece.rows, piece.cols, view) for piece, view in slots[u]]
-                    self.newton_schulz(batch.key, matrix, self.timer, self.work, out=blocks, buffers=buffers,
-                                       spare=matrix.view(dtype) if reuse else None)  # fmt: skip
+                blocks = [[(piece.rows, piece.cols, view) for piece, view in slots[u]] for u in batch.units]
+                self.newton_schulz(batch.key, matrices, self.timer, self.work, out=blocks, buffers=buffers,
+                                   spare=matrices.view(dtype) if reuse else None)  # fmt: skip
+                # the norm over the blocks as they lie in the return buffer: adjacent ones as one run
+                views = sorted((view for unit_blocks in blocks for _, _, view in unit_blocks), key=Tensor.storage_offset)
+                runs = [run for (run,) in coalesce([(view,) for view in views])]
+                self.newton_schulz.add_update_norm(batch.key[1], runs, self.work, buffers)
                 memory.free(workspace)
                 continue
             in_place = matrices is batch.matrices and results_replace_arrivals(matrices.dtype, dtype)

@@ -543,8 +543,8 @@ def orthogonalize(
     dtype: the compute dtype, fp32, bf16 or fp16 (fp16: scaled in fp32 first, _normalized; Gram NS restarts
     every 2 steps, gram_segments); the result is returned in it, contiguous, in the input's shape.
     scale: the result is scale·U Vᵀ, scaled by the last product itself. out: where to write it
-    (contiguous; it may share `matrix`'s memory, which is read first), or, for one matrix, the
-    :data:`Blocks` to write its rectangles into (each its own last product, written as the
+    (contiguous; it may share `matrix`'s memory, which is read first), or the :data:`Blocks` to
+    write each matrix's rectangles into (a list of them for a batch) (each its own last product, written as the
     product is made: no copy of the result); the iterates then alternate between a buffer of
     their own and `spare` (contiguous, in the input's shape and the compute dtype; it may share
     `matrix`'s memory; default: one more buffer).
@@ -565,6 +565,12 @@ def orthogonalize(
         )
     buffers = buffers if buffers is not None else FreshBuffers(matrix.device)
     into = None if out is None or isinstance(out, Tensor) else out
+    if into is not None and matrix.ndim == 3:  # one Blocks per matrix of the batch
+        if len(into) != matrix.size(0) or (spare is not None and spare.shape != matrix.shape):
+            raise ValueError(f"orthogonalize: a batch of {matrix.size(0)} matrices needs as many Blocks (got {len(into)}) and a spare of its shape")
+        for i, one in enumerate(matrix):
+            orthogonalize(one, steps, method, dtype, eps, algorithm, scale=scale, out=into[i], spare=None if spare is None else spare[i], buffers=buffers)
+        return out
     if into is not None:
         _check_blocks(into, matrix, dtype)
     elif out is None:
@@ -606,9 +612,7 @@ def orthogonalize(
 
 
 def _check_blocks(blocks: Blocks, matrix: Tensor, dtype: torch.dtype) -> None:
-    """Blocks are for one matrix, in the compute dtype, shaped as their rectangles, covering it."""
-    if matrix.ndim != 2:
-        raise ValueError(f"orthogonalize: blocks are the rectangles of one matrix, got a batch of shape {tuple(matrix.shape)}")
+    """Blocks are in the compute dtype, shaped as their rectangles, covering the matrix."""
     area = 0
     for (r0, r1), (c0, c1), target in blocks:
         if target.shape != (r1 - r0, c1 - c0) or target.dtype != dtype or not (0 <= r0 < r1 <= matrix.size(0) and 0 <= c0 < c1 <= matrix.size(1)):

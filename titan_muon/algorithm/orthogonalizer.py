@@ -90,13 +90,14 @@ class Orthogonalizer:
         batched GEMM, which W pieces per matrix would cut into W."""
         return self.device.type == "cpu" and self.result_dtype(key) == dtype
 
-    def __call__(self, key: tuple, matrices: Tensor, timer: StepTimer, work, out: Tensor | Blocks | None = None,
-                 buffers: Buffers | None = None, spare: Tensor | None = None) -> Tensor | Blocks:  # fmt: skip
+    def __call__(self, key: tuple, matrices: Tensor, timer: StepTimer, work, out: Tensor | list[Blocks] | None = None,
+                 buffers: Buffers | None = None, spare: Tensor | None = None) -> Tensor | list[Blocks]:  # fmt: skip
         """The updates of `matrices` as the owners return them, scaled by their shape's factor and
         commit_scale (−1/wd: the commit is then one lerp, update.py), written into `out` (default:
-        taken from `buffers`; Blocks: one matrix's, writes_blocks, its iterates alternating with
+        taken from `buffers`; Blocks, one per matrix: writes_blocks, the iterates alternating with
         `spare`, newton_schulz.orthogonalize); the workspace comes from `buffers` (default:
-        allocated) and is given back."""
+        allocated) and is given back. Into a tensor, the update's norm is added to `work`; into
+        blocks, the caller adds it (add_update_norm), over their memory as it lies."""
         shape, group_index = key
         group = self.param_groups()[group_index]
         steps, (algorithm, dtype) = group["ns_steps"], self.plan(group, *shape)
@@ -111,13 +112,21 @@ class Orthogonalizer:
         timer.stop("ns")
         count = 1 if matrices.ndim == 2 else matrices.shape[0]
         work.ns_flops += count * newton_schulz_flops(*shape, steps, algorithm, dtype, matrices.device.type)
+        if isinstance(scaled, Tensor):
+            self.add_update_norm(group_index, [scaled], work, buffers)
+        work.update_numel += matrices.numel()
+        return scaled
+
+    def add_update_norm(self, group_index: int, parts: list[Tensor], work, buffers: Buffers) -> None:
+        """work.update_sq += ‖lr·U‖² over `parts`, results of group `group_index` as returned (the
+        sum of squares behind muon/update_rms), through one fp32 scalar from `buffers`."""
+        group = self.param_groups()[group_index]
+        lr = group["lr"].reshape(()) if isinstance(group["lr"], Tensor) else group["lr"]  # a one-element tensor lr
+        factor = (lr / commit_scale(group["weight_decay"])) ** 2
         with phase("update_norm"):
             mark = buffers.mark()
             norm = buffers.take((), torch.float32)
-            lr = group["lr"].reshape(()) if isinstance(group["lr"], Tensor) else group["lr"]  # a one-element tensor lr
-            for part in [scaled] if isinstance(scaled, Tensor) else [t for _, _, t in scaled]:
+            for part in parts:
                 torch.linalg.vector_norm(part, dtype=torch.float32, out=norm)
-                work.update_sq.add_(norm.square_().mul_((lr / folded) ** 2))  # the RMS of lr·U
+                work.update_sq.add_(norm.square_().mul_(factor))
             buffers.release(mark)
-        work.update_numel += matrices.numel()
-        return scaled
