@@ -49,6 +49,20 @@ def test_rounds_in_flight_apart_share_a_slot_and_each_takes_it_over_whole():
         ReservedRounds(storage[:-1], sizes, in_flight)
 
 
+def test_arrivals_read_in_place_hold_one_receive_slot_more():
+    """Owners that read their arrivals where they landed (a CPU) read round r's receive buffer
+    through its Newton-Schulz, after round r + rounds_in_flight has landed (engine.run launches it
+    first): round r + rounds_in_flight must not take round r's receive slot."""
+    sizes = RoundBytes(send=ALIGNMENT, receive=2 * ALIGNMENT, owner=3 * ALIGNMENT, returning=ALIGNMENT)
+    in_flight = 2
+    assert reservation_bytes(sizes, in_flight, arrivals_held=True) == reservation_bytes(sizes, in_flight) + 2 * ALIGNMENT
+    rounds = ReservedRounds(torch.empty(reservation_bytes(sizes, in_flight, True), dtype=torch.uint8), sizes, in_flight, True)
+    landed = [rounds.receive(r).take((2 * ALIGNMENT,), torch.uint8).data_ptr() for r in range(in_flight + 2)]
+    assert len(set(landed[: in_flight + 1])) == in_flight + 1 and landed[in_flight + 1] == landed[0]
+    sends = [rounds.send(r).take((ALIGNMENT,), torch.uint8).data_ptr() for r in range(in_flight + 1)]
+    assert sends[in_flight] == sends[0]  # the other regions keep their slots
+
+
 def test_a_kept_reservation_is_reused_while_its_size_holds_and_replaced_when_the_plan_changes():
     cpu = torch.device("cpu")
     kept = ReservationStore(cpu, keep=True)

@@ -25,6 +25,7 @@ from titan_muon.algorithm.newton_schulz import (
     resolve_algorithm,
     workspace_bytes,
 )
+from titan_muon.algorithm.newton_schulz import Pieces
 from titan_muon.algorithm.orthogonalizer import Orthogonalizer
 from titan_muon.buffers import ALIGNMENT, Arena, FreshBuffers
 from titan_muon.settings import auto_comm_dtype, resolve_ns_precision
@@ -519,6 +520,37 @@ def test_results_written_into_blocks_equal_the_whole_result(algorithm, steps, sh
         torch.testing.assert_close(assembled(), expected, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("algorithm", ["standard", "gram"])
+@pytest.mark.parametrize("shape", [(96, 224), (224, 96), (600, 200)])
+def test_pieces_read_where_they_lie_equal_the_whole_input(algorithm, shape):
+    """matrix=Pieces: the norm is the norm of the pieces' norms and each piece is scaled into its
+    rectangle of the iterate; the rest is the same as for the whole matrix. The two norms differ
+    by fp32 rounding of a sum taken in another order (≤ a few 2⁻²⁴ relative), which the
+    contracting iteration carries to the result at about the same size — hence 1e-5 / 1e-6 as
+    above. Pieces of whole rows (FSDP, EP) give the same bits wherever they lie: in a buffer of
+    their own (arrived) or as views of a matrix (an input the owner made: overlap), which is what
+    keeps overlap and no overlap bit for bit the same; a column piece (tensor parallel) is strided
+    inside a matrix, and its norm may be summed in another order there."""
+    rows, cols = shape
+    g = torch.randn(rows, cols, generator=torch.Generator().manual_seed(13))
+    whole = orthogonalize(g, 5, "keller", algorithm=algorithm)
+    for row_cuts, col_cuts in [([rows // 3], []), ([], [cols // 2]), ([rows // 2], [cols // 4])]:
+        arrived, _ = _cut(rows, cols, row_cuts, col_cuts)
+        for (r0, r1), (c0, c1), view in arrived:
+            view.copy_(g[r0:r1, c0:c1])
+        made = [(rows_, cols_, g[rows_[0] : rows_[1], cols_[0] : cols_[1]]) for rows_, cols_, _ in arrived]
+        from_buffer = orthogonalize(Pieces(shape, arrived), 5, "keller", algorithm=algorithm)
+        torch.testing.assert_close(from_buffer, whole, rtol=1e-5, atol=1e-6)
+        from_views = orthogonalize(Pieces(shape, made), 5, "keller", algorithm=algorithm)
+        if not col_cuts:  # contiguous in both places
+            assert torch.equal(from_views, from_buffer)
+        else:  # a column piece of a matrix is strided there: its norm may be summed in another order
+            torch.testing.assert_close(from_views, from_buffer, rtol=1e-5, atol=1e-6)
+        blocks, assembled = _cut(rows, cols, row_cuts, col_cuts)  # pieces in, blocks out: nothing whole
+        orthogonalize(Pieces(shape, arrived), 5, "keller", algorithm=algorithm, out=blocks)
+        torch.testing.assert_close(assembled(), whole, rtol=1e-5, atol=1e-6)
+
+
 def test_blocks_are_checked_before_anything_is_written():
     g = torch.randn(32, 48)
     blocks, _ = _cut(32, 48, [16], [])
@@ -530,6 +562,10 @@ def test_blocks_are_checked_before_anything_is_written():
         orthogonalize(torch.randn(2, 32, 48), out=[blocks])
     with pytest.raises(ValueError, match="spare must be a contiguous"):
         orthogonalize(g, out=blocks, spare=torch.empty(48, 32))
+    with pytest.raises(ValueError, match="pieces cover 768 of the 1536"):
+        orthogonalize(Pieces((32, 48), blocks[:1]))
+    with pytest.raises(ValueError, match="cannot read it as Pieces"):
+        orthogonalize(Pieces((32, 48), _cut(32, 48, [16], [], HALF)[0]), dtype=HALF)
 
 
 @pytest.mark.parametrize("algorithm", ["standard", "gram"])
@@ -557,10 +593,14 @@ def test_workspace_bytes_with_blocks_are_what_is_alive(algorithm, dtype):
 
 def test_blocks_are_written_on_cpu_in_the_wire_dtype_only():
     """Orthogonalizer.writes_blocks: on a CPU when NS computes in the dtype the results travel in;
-    never on GPUs (meta stands in), where a batch's last product stays one batched GEMM."""
+    never on GPUs (meta stands in), where a batch's last product stays one batched GEMM. Inputs
+    are read as Pieces wherever results are written into blocks, except in fp16."""
     cpu = Orthogonalizer(lambda: [_group()], resolve_ns_precision("auto", torch.device("cpu")), torch.device("cpu"))
     key = ((64, 96), 0)
     assert cpu.writes_blocks(key, torch.float32) and not cpu.writes_blocks(key, torch.bfloat16)
+    assert cpu.reads_pieces(key, torch.float32) and not cpu.reads_pieces(key, torch.bfloat16)
+    half = Orthogonalizer(lambda: [_group()], resolve_ns_precision("fp16", torch.device("cpu")), torch.device("cpu"))
+    assert half.writes_blocks(key, HALF) and not half.reads_pieces(key, HALF)  # fp16 NS scales its input in fp32
     meta = Orthogonalizer(lambda: [_group()], resolve_ns_precision("fp32", torch.device("meta")), torch.device("meta"))
     assert not meta.writes_blocks(key, torch.float32)
 

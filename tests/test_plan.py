@@ -19,7 +19,7 @@ from titan_muon.algorithm.newton_schulz import newton_schulz_flops
 from titan_muon.buffers import FreshBuffers
 from titan_muon.exchange.layout import RankGrid, as_stack_shape, box_numel, chunk_range, sharding_of
 from titan_muon.exchange.plan import Unit, build_plan, build_rounds, elements_sent, rank_tables, shard_rows
-from titan_muon.exchange.redistribute import assemble, disassemble, local_piece, outbound_slots
+from titan_muon.exchange.redistribute import assemble, disassemble, disassemble_into, local_piece, outbound_slots, unit_slots
 
 TRANSFORMER = [(1024, 1024), (256, 1024), (256, 1024), (1024, 1024), (2816, 1024), (1024, 2816), (2816, 1024)] * 4
 
@@ -218,10 +218,24 @@ def _simulate(shapes, mesh_shape, placements, blocks=None, round_bytes=4096):
                     unit = plan.units[u]
                     assert torch.equal(matrix, full[unit.param][unit.matrix, unit.row_start : unit.row_end])
                     results[(r, u)] = matrix * 2  # stand-in for Newton-Schulz
+            # read in place: each unit's pieces, views of the receive buffer, tile the same matrix
+            for batch in assemble(tables[r][b], received[r], plan.units, lambda u: plan.units[u].shape, in_place=lambda key: True):
+                assert batch.matrices is None
+                for u, pieces in zip(batch.units, batch.arrivals):
+                    unit = plan.units[u]
+                    tiled = torch.full(unit.shape, float("nan"))
+                    for piece, view in pieces:
+                        assert view.data_ptr() >= received[r].data_ptr()  # a view, not a copy
+                        tiled[piece.rows[0] : piece.rows[1], piece.cols[0] : piece.cols[1]] = view
+                    assert torch.equal(tiled, full[unit.param][unit.matrix, unit.row_start : unit.row_end])
         backs = [
             disassemble(tables[r][b], {u: m for (o, u), m in results.items() if o == r}, torch.float32, FreshBuffers("cpu"))
             for r in range(world)
         ]
+        for r in range(world):  # written piece by piece into the return buffer's slots: the same buffer
+            back = torch.full((tables[r][b].recv_numel,), float("nan"))
+            disassemble_into(unit_slots(tables[r][b], back), {u: m for (o, u), m in results.items() if o == r})
+            assert torch.equal(back, backs[r])
         for r in range(world):
             mine = _all_to_all(backs, [s[b] for s in tables], r, back=True)
             for piece, update in outbound_slots(tables[r][b], mine):

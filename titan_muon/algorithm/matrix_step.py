@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from titan_muon.algorithm.commit import StepWork, apply_updates, staged_state
+from titan_muon.algorithm.newton_schulz import Pieces
 from titan_muon.algorithm.orthogonalizer import Orthogonalizer
 from titan_muon.algorithm.update import Elementwise, coalesce
 from titan_muon.buffers import Buffers, cut_bytes
@@ -77,6 +78,7 @@ class MatrixStep:
                 arrived=early.arrived if early is not None else None,
                 settle=(lambda r, s=s, engine=engine: self.replicas.settle(s, r, engine)) if self.replicas is not None else None,
                 returned=self.write_round if self.streaming else None,
+                in_place=lambda key, engine=engine: reads_arrivals(engine, key, self.newton_schulz, self.comm_dtype, self.replicas is not None),
             )  # fmt: skip
 
     def ns_key(self, unit: Unit) -> tuple[tuple[int, int], int]:
@@ -140,11 +142,16 @@ class MatrixStep:
             dtype = self.newton_schulz.result_dtype(batch.key)
             if self.newton_schulz.writes_blocks(batch.key, self.comm_dtype):
                 slots = returns()
+                blocks = [[(piece.rows, piece.cols, view) for piece, view in slots[u]] for u in batch.units]
                 # the arrivals, once read, hold iterates (inputs made here may be kept: staged momentum)
-                reuse = matrices is batch.matrices and results_replace_arrivals(matrices.dtype, dtype)
+                reuse = matrices is batch.matrices and matrices is not None and results_replace_arrivals(matrices.dtype, dtype)
+                if (matrices is None or matrices is not batch.matrices) and self.newton_schulz.reads_pieces(batch.key, self.comm_dtype):
+                    # read by the pieces they travelled in, arrived or made here alike: one norm, one layout
+                    matrices, reuse = [_pieces(batch.key[0], batch.arrivals[i] if matrices is None else
+                                               [(p, matrices[i, p.rows[0] : p.rows[1], p.cols[0] : p.cols[1]]) for p, _ in slots[u]])
+                                       for i, u in enumerate(batch.units)], False  # fmt: skip
                 workspace = self.newton_schulz.workspace_bytes(batch.key, 1, spare=not reuse)
                 memory.add(workspace)
-                blocks = [[(piece.rows, piece.cols, view) for piece, view in slots[u]] for u in batch.units]
                 self.newton_schulz(batch.key, matrices, self.timer, self.work, out=blocks, buffers=buffers,
                                    spare=matrices.view(dtype) if reuse else None)  # fmt: skip
                 # the norm over the blocks as they lie in the return buffer: adjacent ones as one run
@@ -204,6 +211,18 @@ class MatrixStep:
 
 
 
+def _pieces(shape: tuple[int, int], pieces: list[tuple[Piece, Tensor]]) -> Pieces:
+    return Pieces(shape, [(piece.rows, piece.cols, view) for piece, view in pieces])
+
+
+def reads_arrivals(engine: ExchangeEngine, key: tuple, newton_schulz: Orthogonalizer, wire: torch.dtype, demo: bool) -> bool:
+    """Whether the owner reads `key`'s matrices as Pieces where they arrived, never assembling them:
+    where Orthogonalizer.reads_pieces, its input is what arrived (not the owners' own Nesterov
+    input, not DeMo's) and it arrived from other ranks (a one-rank exchange lands in its send
+    buffer, which the next rounds reuse before this round's NS)."""
+    return engine.sharded and not engine.owners_hold_momentum and not demo and newton_schulz.reads_pieces(key, wire)
+
+
 def results_replace_arrivals(arrival: torch.dtype, result: torch.dtype) -> bool:
     """Whether an owner's NS results are written over the batch that arrived (NS reads its input
     before writing): where the two dtypes have one size. MatrixStep.orthogonalize cuts the results
@@ -229,6 +248,9 @@ def owner_bytes(engine: ExchangeEngine, tables: RoundTables, wire: torch.dtype, 
     total, workspace = 0, 0
     for key, count in counts.items():
         (rows, cols), dtype = key[0], newton_schulz.result_dtype(key)
+        if reads_arrivals(engine, key, newton_schulz, wire, False):  # read where they arrived, results in the return buffer
+            workspace = max(workspace, newton_schulz.workspace_bytes(key, 1, reserved=True, spare=True))
+            continue
         total += cut_bytes((count, rows, cols), wire)
         if newton_schulz.writes_blocks(key, wire):  # results in the return buffer, one matrix at a time, iterating in the arrival
             workspace = max(workspace, newton_schulz.workspace_bytes(key, 1, reserved=True))
@@ -245,18 +267,20 @@ def reserve_rounds(engines: list[ExchangeEngine], params: list[MuonParam], newto
     tensor from `store` holding every engine's largest round in each region (reservation.py),
     counted in `memory`; or (None, why) if it cannot be allocated. Made before the step's first
     agreement, which carries the failure to every rank before anything is written."""
-    def layout() -> tuple[RoundBytes, int]:
+    def layout() -> tuple[RoundBytes, int, bool]:
         rounds = [engine.round_bytes(r, wire, wire, lambda tables, engine=engine: owner_bytes(engine, tables, wire, params, newton_schulz))
                   for engine in engines for r in range(len(engine.tables))]  # fmt: skip
-        return largest(rounds), max(engine.rounds_in_flight for engine in engines)
+        held = any(reads_arrivals(engine, ns_key(params, engine.units[u]), newton_schulz, wire, False)
+                   for engine in engines for u in engine.owned_units())  # fmt: skip
+        return largest(rounds), max(engine.rounds_in_flight for engine in engines), held
 
     # beyond the exchange plan (the store's own), the sizes depend on the wire and the NS plans
-    sizes, in_flight = store.layout((wire, newton_schulz.plan_settings()), layout)
-    nbytes = reservation_bytes(sizes, in_flight)
+    sizes, in_flight, arrivals_held = store.layout((wire, newton_schulz.plan_settings()), layout)
+    nbytes = reservation_bytes(sizes, in_flight, arrivals_held)
     try:
         storage = store.take(nbytes)
     except Exception as error:  # noqa: BLE001 - every rank raises in the verdict
         return None, f"{nbytes} bytes: {type(error).__name__}: {error}"
     memory.add(nbytes)
     memory.kept = store.kept_bytes
-    return ReservedRounds(storage, sizes, in_flight), None
+    return ReservedRounds(storage, sizes, in_flight, arrivals_held), None

@@ -349,6 +349,31 @@ def _times_x(poly: Tensor, x: Tensor, a: float, alpha: float, out: Tensor) -> Te
 Blocks = Sequence[tuple[tuple[int, int], tuple[int, int], Tensor]]
 
 
+class Pieces(NamedTuple):
+    """One (rows, cols) matrix given by its rectangles, each in a tensor of its own (the pieces of a
+    receive buffer), read where they lie: orthogonalize() takes the norm piece by piece and scales
+    each piece into its iterate, so the matrix is never assembled."""
+
+    shape: tuple[int, int]
+    blocks: Blocks
+
+    ndim = 2
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.blocks[0][2].dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.blocks[0][2].device
+
+    def size(self, dim: int) -> int:
+        return self.shape[dim]
+
+    def numel(self) -> int:
+        return self.shape[0] * self.shape[1]
+
+
 def _times_x_into(blocks: Blocks, poly: Tensor, x: Tensor, a: float, alpha: float) -> None:
     """_times_x written rectangle by rectangle into `blocks` (one 2-D x): each rectangle is its
     rows of the left factor times its columns of the right one, a GEMM of its own."""
@@ -432,7 +457,7 @@ def stages_in_fp32(dtype: torch.dtype, device_type: str) -> bool:
     return dtype == torch.float16 and device_type == "cpu"
 
 
-def _normalized(matrix: Tensor, x: Tensor, norm: Tensor, eps: float, safety: float, buffers: Buffers) -> None:
+def _normalized(matrix: Tensor | Pieces, x: Tensor, norm: Tensor, eps: float, safety: float, buffers: Buffers) -> None:
     """x ← matrix / max(safety·‖matrix‖_F, eps), per matrix, through `norm`: spectral norm at most
     1, which the Frobenius norm bounds.
 
@@ -441,8 +466,23 @@ def _normalized(matrix: Tensor, x: Tensor, norm: Tensor, eps: float, safety: flo
     once to fp16. On a GPU both kernels read the input as it is: the reduction accumulates a
     bf16 input in fp32 and the division rounds to fp16 as it stores (4 bytes per element moved
     for a bf16 input, where a staged copy moves 20). On CPU (stages_in_fp32) the input is first
-    copied into an fp32 buffer from `buffers`, given back once rounded into `x`."""
+    copied into an fp32 buffer from `buffers`, given back once rounded into `x`.
+
+    :class:`Pieces` (in the NS dtype, not fp16): the norm of the pieces' norms, which are first
+    written into `x` (its memory is free until the quotients land there), and each piece divided
+    into its rectangle of `x`."""
     dtype, wide = x.dtype, norm.dtype
+    if isinstance(matrix, Pieces):
+        norms = x.view(-1)[: len(matrix.blocks)]
+        for i, (_, _, piece) in enumerate(matrix.blocks):
+            torch.linalg.vector_norm(piece, dtype=wide, out=norms[i])
+        torch.linalg.vector_norm(norms, out=norm.view(()))
+        if safety != 1.0:
+            norm.mul_(safety)
+        norm.clamp_(min=eps)
+        for (r0, r1), (c0, c1), piece in matrix.blocks:
+            torch.div(piece, norm, out=x[r0:r1, c0:c1])
+        return
     before_staging = buffers.mark()
     if dtype == torch.float16 and not stages_in_fp32(dtype, matrix.device.type):
         source, scaled, one_kernel = matrix, x, _one_kernel
@@ -524,7 +564,7 @@ def workspace_bytes(batch: int, rows: int, cols: int, algorithm: str, dtype: tor
 
 
 def orthogonalize(
-    matrix: Tensor,
+    matrix: Tensor | Pieces,
     steps: int = 5,
     method: str | tuple[float, float, float] = "keller",
     dtype: torch.dtype = torch.float32,
@@ -536,7 +576,8 @@ def orthogonalize(
     spare: Tensor | None = None,
     buffers: Buffers | None = None,
 ) -> Tensor | Blocks:
-    """Approximate U Vᵀ of the SVD U S Vᵀ of `matrix` (or of each matrix of a batch).
+    """Approximate U Vᵀ of the SVD U S Vᵀ of `matrix` (or of each matrix of a batch; or of one
+    matrix given as :class:`Pieces`, in `dtype`, not fp16, read where they lie).
 
     algorithm: "standard", "gram" (same polynomial, iterated on the Gram matrix of the short
     side: fewer FLOPs on rectangular matrices), or "auto" (resolve_algorithm).
@@ -571,6 +612,10 @@ def orthogonalize(
         for i, one in enumerate(matrix):
             orthogonalize(one, steps, method, dtype, eps, algorithm, scale=scale, out=into[i], spare=None if spare is None else spare[i], buffers=buffers)
         return out
+    if isinstance(matrix, Pieces):
+        _check_blocks(matrix.blocks, matrix, dtype, "piece")
+        if dtype == torch.float16:
+            raise ValueError("orthogonalize: fp16 NS scales its input in fp32 and cannot read it as Pieces")
     if into is not None:
         _check_blocks(into, matrix, dtype)
     elif out is None:
@@ -611,13 +656,13 @@ def orthogonalize(
     return out
 
 
-def _check_blocks(blocks: Blocks, matrix: Tensor, dtype: torch.dtype) -> None:
-    """Blocks are in the compute dtype, shaped as their rectangles, covering the matrix."""
+def _check_blocks(blocks: Blocks, matrix: Tensor | Pieces, dtype: torch.dtype, what: str = "block") -> None:
+    """Blocks (or Pieces' blocks) are in the compute dtype, shaped as their rectangles, covering the matrix."""
     area = 0
     for (r0, r1), (c0, c1), target in blocks:
         if target.shape != (r1 - r0, c1 - c0) or target.dtype != dtype or not (0 <= r0 < r1 <= matrix.size(0) and 0 <= c0 < c1 <= matrix.size(1)):
-            raise ValueError(f"orthogonalize: block ({r0}:{r1}, {c0}:{c1}) of a {tuple(matrix.shape)} matrix cannot be a "
+            raise ValueError(f"orthogonalize: {what} ({r0}:{r1}, {c0}:{c1}) of a {tuple(matrix.shape)} matrix cannot be a "
                              f"{tuple(target.shape)} {target.dtype} tensor (expected {dtype})")  # fmt: skip
         area += (r1 - r0) * (c1 - c0)
     if area != matrix.numel():
-        raise ValueError(f"orthogonalize: blocks cover {area} of the {matrix.numel()} entries of a {tuple(matrix.shape)} matrix")
+        raise ValueError(f"orthogonalize: {what}s cover {area} of the {matrix.numel()} entries of a {tuple(matrix.shape)} matrix")

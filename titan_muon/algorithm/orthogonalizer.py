@@ -10,6 +10,7 @@ from torch import Tensor
 from titan_muon.algorithm.newton_schulz import (
     FP16_PEAK_LIMIT,
     Blocks,
+    Pieces,
     NSPrecision,
     half_precision_peak,
     newton_schulz_flops,
@@ -90,31 +91,44 @@ class Orthogonalizer:
         batched GEMM, which W pieces per matrix would cut into W."""
         return self.device.type == "cpu" and self.result_dtype(key) == dtype
 
-    def __call__(self, key: tuple, matrices: Tensor, timer: StepTimer, work, out: Tensor | list[Blocks] | None = None,
+    def reads_pieces(self, key: tuple, dtype: torch.dtype) -> bool:
+        """Whether inputs arriving in `dtype` are read as :class:`Pieces` where they landed instead of
+        assembled first: wherever results are written into blocks, except fp16 NS (which scales
+        its input in fp32)."""
+        return self.writes_blocks(key, dtype) and dtype != torch.float16
+
+    def __call__(self, key: tuple, matrices: Tensor | list[Pieces], timer: StepTimer, work, out: Tensor | list[Blocks] | None = None,
                  buffers: Buffers | None = None, spare: Tensor | None = None) -> Tensor | list[Blocks]:  # fmt: skip
         """The updates of `matrices` as the owners return them, scaled by their shape's factor and
         commit_scale (−1/wd: the commit is then one lerp, update.py), written into `out` (default:
         taken from `buffers`; Blocks, one per matrix: writes_blocks, the iterates alternating with
-        `spare`, newton_schulz.orthogonalize); the workspace comes from `buffers` (default:
+        `spare`, newton_schulz.orthogonalize; for `matrices` given as Pieces, one per matrix:
+        reads_pieces, always into Blocks); the workspace comes from `buffers` (default:
         allocated) and is given back. Into a tensor, the update's norm is added to `work`; into
         blocks, the caller adds it (add_update_norm), over their memory as it lies."""
         shape, group_index = key
         group = self.param_groups()[group_index]
         steps, (algorithm, dtype) = group["ns_steps"], self.plan(group, *shape)
-        buffers = buffers if buffers is not None else FreshBuffers(matrices.device)
+        device = matrices[0].device if isinstance(matrices, list) else matrices.device
+        buffers = buffers if buffers is not None else FreshBuffers(device)
         timer.start("ns")
         with phase("newton_schulz"):
             # Scaled by NS's last product, row-major (the return buffer is cut from it by rows), in
             # the NS dtype: the value the wire carries anyway.
-            folded = commit_scale(group["weight_decay"])
-            scaled = orthogonalize(matrices, steps, group["ns_coefficients"], dtype, group["ns_eps"], algorithm,
-                                   scale=update_scale(group["adjust_lr_fn"], *shape) * folded, out=out, spare=spare, buffers=buffers)  # fmt: skip
+            scale = update_scale(group["adjust_lr_fn"], *shape) * commit_scale(group["weight_decay"])
+            run = lambda m, o, s: orthogonalize(m, steps, group["ns_coefficients"], dtype, group["ns_eps"], algorithm,  # noqa: E731
+                                                scale=scale, out=o, spare=s, buffers=buffers)  # fmt: skip
+            if isinstance(matrices, list):
+                for pieces, blocks in zip(matrices, out, strict=True):
+                    run(pieces, blocks, None)
+                scaled, count = out, len(matrices)
+            else:
+                scaled, count = run(matrices, out, spare), 1 if matrices.ndim == 2 else matrices.shape[0]
         timer.stop("ns")
-        count = 1 if matrices.ndim == 2 else matrices.shape[0]
-        work.ns_flops += count * newton_schulz_flops(*shape, steps, algorithm, dtype, matrices.device.type)
+        work.ns_flops += count * newton_schulz_flops(*shape, steps, algorithm, dtype, device.type)
         if isinstance(scaled, Tensor):
             self.add_update_norm(group_index, [scaled], work, buffers)
-        work.update_numel += matrices.numel()
+        work.update_numel += count * shape[0] * shape[1]
         return scaled
 
     def add_update_norm(self, group_index: int, parts: list[Tensor], work, buffers: Buffers) -> None:

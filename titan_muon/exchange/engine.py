@@ -267,6 +267,7 @@ class ExchangeEngine:
         settle: Callable[[int], None] | None = None,
         returned: Callable[[int], None] | None = None,
         rounds: RoundBuffers | None = None,
+        in_place: Callable[[object], bool] | None = None,
     ) -> list[Exchange]:
         """Every round's round trip, ``rounds_in_flight`` outbound trips ahead of the owners.
 
@@ -278,6 +279,9 @@ class ExchangeEngine:
         ``returned(r)``, if given, runs once round r's updates have all been handed to ``receive``
         (unless this rank failed before); the updates' buffer is then dropped, not held.
         ``rounds``: where each round's buffers come from (default: allocated; reservation.py).
+        ``in_place(key)``: the batches of that key are read where they arrived (assemble), so the
+        round's receive buffer stays alive through its owner work (a reservation then holds one
+        receive slot more: round r + rounds_in_flight lands during round r's Newton–Schulz).
         """
         arrived = arrived if arrived is not None else {}  # each taken out once used, so its buffers can go
         rounds_buffers = rounds if rounds is not None else RoundBuffers(self.device)
@@ -306,16 +310,18 @@ class ExchangeEngine:
             exchange = arrived.pop(r) if r in arrived else outbound.pop(r)
             memory.free(exchange.nbytes - exchange.received.numel())  # the send buffer, once done
             received = exchange.wait()
-            batches, batch_bytes, back, counted = None, 0, None, 0
+            batches, batch_bytes, back, counted, arrivals_read = None, 0, None, 0, 0
             if failure.error is None:
                 try:
                     with phase("assemble"):
-                        batches = assemble(tables, received, self.units, key_of, rounds_buffers.owner(r))
-                    batch_bytes = sum(b.matrices.numel() * b.matrices.element_size() for b in batches)
+                        batches = assemble(tables, received, self.units, key_of, rounds_buffers.owner(r), in_place)
+                    batch_bytes = sum(b.matrices.numel() * b.matrices.element_size() for b in batches if b.matrices is not None)
                     memory.add(batch_bytes)
+                    if any(b.matrices is None for b in batches):
+                        arrivals_read = exchange.received.numel()  # read by the owner work where it lies
                 except Exception as error:  # noqa: BLE001 - settled on every rank in agree_on_success
                     failure.record(error, f"assembling round {r}")
-            memory.free(exchange.received.numel())  # copied into the batches: its buffer can go
+            memory.free(exchange.received.numel() - arrivals_read)  # copied into the batches: its buffer can go
             del exchange, received
             launch_through(r + 1 + self.rounds_in_flight)  # queued before this round's NS
             if len(returning) == self.rounds_in_flight:  # the oldest return, in before this round's is packed
@@ -346,7 +352,7 @@ class ExchangeEngine:
                     del results, slots  # not alive through the next round's Newton-Schulz
                 except Exception as error:  # noqa: BLE001 - settled on every rank in agree_on_success
                     failure.record(error, f"Newton-Schulz of round {r}")
-            memory.free(batch_bytes)
+            memory.free(batch_bytes + arrivals_read)
             del batches
             if settle is not None:
                 settle(r)

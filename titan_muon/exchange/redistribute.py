@@ -86,7 +86,8 @@ class Batch:
 
     key: Hashable
     units: list[int]
-    matrices: Tensor  # (len(units), rows, cols)
+    matrices: Tensor | None  # (len(units), rows, cols); None where they are read where they arrived
+    arrivals: list[list[tuple[Piece, Tensor]]] | None = None  # then, per unit, its pieces (unit_slots) in the receive buffer
 
 
 def assemble(
@@ -95,6 +96,7 @@ def assemble(
     units: Sequence[Unit],
     key_of: Callable[[int], Hashable],
     buffers: Buffers | None = None,
+    in_place: Callable[[Hashable], bool] | None = None,
 ) -> list[Batch]:
     """The whole matrices of the units this rank owns in the round, grouped by `key_of(unit)`,
     in the dtype they travelled in (Newton–Schulz reads them as they are: a bf16 wire feeds bf16
@@ -103,6 +105,8 @@ def assemble(
     `received` is the round's inbound buffer. Units whose pieces all span full rows (FSDP /
     expert sharding) are stacked with one ``torch.cat`` per batch; pieces that cover only some
     columns (tensor parallel) are copied into place. The batches come from `buffers` (default: allocated).
+    Keys for which ``in_place(key)`` holds are not copied: their batches list each unit's pieces in
+    `received` instead (which must then stay alive until they are read).
     """
     views = unit_slots(tables, received)
     groups: dict[Hashable, list[int]] = defaultdict(list)
@@ -112,6 +116,9 @@ def assemble(
     buffers = buffers if buffers is not None else FreshBuffers(received.device)
     batches = []
     for key, members in groups.items():
+        if in_place is not None and in_place(key):
+            batches.append(Batch(key, members, None, [views[u] for u in members]))
+            continue
         rows, cols = units[members[0]].shape
         ordered = [pv for u in members for pv in views[u]]
         matrices = buffers.take((len(members), rows, cols), received.dtype)

@@ -10,7 +10,10 @@ round's buffers out of it, in three regions (engine.ExchangeEngine.run):
   and relay buffers. Round r's slot is taken again by round r + rounds_in_flight, which is packed
   only after round r's trip was waited for.
 * **receive**: ``rounds_in_flight`` slots, each holding one round's receive buffer: round r's
-  matrices are assembled out of it before round r + rounds_in_flight is launched.
+  matrices are assembled out of it before round r + rounds_in_flight is launched. Where owners
+  read their arrivals in place (``arrivals_held``: a CPU, engine.ExchangeEngine.run) round r's
+  buffer is read through its Newton–Schulz, after round r + rounds_in_flight has landed: one slot
+  more. (A one-rank exchange lands in its send buffer: its owner always assembles.)
 * **owner**: one area, emptied at the start of every round: the assembled batches, their
   Newton–Schulz results (none on a CPU where NS computes in the wire dtype: its last product
   writes into the return buffer) and the workspace of one chunk at a time.
@@ -77,13 +80,13 @@ class ReservedRounds(RoundBuffers):
     """Rounds cut out of `storage`, for an engine with `rounds_in_flight`: the regions' slots
     (module docstring), each as large as the largest round's cut from that region."""
 
-    def __init__(self, storage: Tensor, sizes: RoundBytes, rounds_in_flight: int):
+    def __init__(self, storage: Tensor, sizes: RoundBytes, rounds_in_flight: int, arrivals_held: bool = False):
         super().__init__(storage.device)
-        self.bytes = reservation_bytes(sizes, rounds_in_flight)
+        self.bytes = reservation_bytes(sizes, rounds_in_flight, arrivals_held)
         if storage.numel() < self.bytes:
             raise ValueError(f"a reservation of {storage.numel()} bytes cannot hold {self.bytes}")
         self._regions, offset = {}, 0
-        for name, count in _slots(rounds_in_flight).items():
+        for name, count in _slots(rounds_in_flight, arrivals_held).items():
             size = getattr(sizes, name)
             self._regions[name] = [Arena(storage[offset + i * size : offset + (i + 1) * size]) for i in range(count)]
             offset += count * size
@@ -146,12 +149,13 @@ class ReservationStore:
         return storage
 
 
-def _slots(rounds_in_flight: int) -> dict[str, int]:
-    return {"send": rounds_in_flight, "receive": rounds_in_flight, "owner": 1, "returning": rounds_in_flight}
+def _slots(rounds_in_flight: int, arrivals_held: bool = False) -> dict[str, int]:
+    receive = rounds_in_flight + 1 if arrivals_held else rounds_in_flight
+    return {"send": rounds_in_flight, "receive": receive, "owner": 1, "returning": rounds_in_flight}
 
 
-def reservation_bytes(sizes: RoundBytes, rounds_in_flight: int) -> int:
-    return sum(count * getattr(sizes, name) for name, count in _slots(rounds_in_flight).items())
+def reservation_bytes(sizes: RoundBytes, rounds_in_flight: int, arrivals_held: bool = False) -> int:
+    return sum(count * getattr(sizes, name) for name, count in _slots(rounds_in_flight, arrivals_held).items())
 
 
 def largest(rounds: Sequence[RoundBytes]) -> RoundBytes:
