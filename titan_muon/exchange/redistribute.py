@@ -6,7 +6,7 @@ process. A round trip, on every rank::
 
     send = buffer of send_numel; for piece, slot in outbound_slots(tables, send): slot.copy_(my piece)
     received = all_to_all(send, tables.send_counts, tables.recv_counts)
-    batches = assemble(tables, received, ...)                   # whole matrices I own
+    batches = assemble(tables, received, ...)                   # whole matrices I own (in_place: their pieces)
     back = disassemble(tables, results)                         # ordered by source
     # (or: NS writes each result's pieces into unit_slots(tables, back) as it makes them)
     mine = all_to_all(back, tables.recv_counts, tables.send_counts)
