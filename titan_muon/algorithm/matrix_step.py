@@ -127,7 +127,7 @@ class MatrixStep:
     def orthogonalize(self, s: int, engine: ExchangeEngine, r: int, batches: list[Batch], scales: dict[int, float],
                       buffers: Buffers, returns: Callable[[], ReturnSlots]) -> tuple[dict[int, Tensor], int]:  # fmt: skip
         """Each batch's scaled updates, written straight into the return buffer's slots (`returns`)
-        where Orthogonalizer.writes_blocks, else returned with the bytes of those results counted
+        where Orthogonalizer.writes_blocks (not with DeMo), else returned with the bytes of those results counted
         in the memory account: one result tensor per batch, the input's own memory where the dtypes
         have one size (NS reads its input before writing), else from `buffers`; computed chunk by
         chunk (Orthogonalizer.chunks) with the chunk's workspace from `buffers` too."""
@@ -140,7 +140,8 @@ class MatrixStep:
         memory.add(made)
         for batch, matrices in zip(batches, inputs):
             dtype = self.newton_schulz.result_dtype(batch.key)
-            if self.newton_schulz.writes_blocks(batch.key, self.comm_dtype):
+            # DeMo keeps whole-matrix math: its owners compute the same bits on every layout (R × S)
+            if self.replicas is None and self.newton_schulz.writes_blocks(batch.key, self.comm_dtype):
                 slots = returns()
                 blocks = [[(piece.rows, piece.cols, view) for piece, view in slots[u]] for u in batch.units]
                 # the arrivals, once read, hold iterates (inputs made here may be kept: staged momentum)
