@@ -133,48 +133,54 @@ class MatrixStep:
         chunk (Orthogonalizer.chunks) with the chunk's workspace from `buffers` too."""
         results: dict[int, Tensor] = {}
         counted = 0
-        memory = self.memory
         inputs = self._owner_inputs(s, engine, r, batches, scales)
         # Inputs made here (the owners' Nesterov input, DeMo's) live beside the arrivals until the round's NS is done.
         made = sum(m.numel() * m.element_size() for batch, m in zip(batches, inputs) if m is not batch.matrices)
-        memory.add(made)
+        self.memory.add(made)
         for batch, matrices in zip(batches, inputs):
-            dtype = self.newton_schulz.result_dtype(batch.key)
             # DeMo keeps whole-matrix math: its owners compute the same bits on every layout (R × S)
             if self.replicas is None and self.newton_schulz.writes_blocks(batch.key, self.comm_dtype):
-                slots = returns()
-                blocks = [[(piece.rows, piece.cols, view) for piece, view in slots[u]] for u in batch.units]
-                # the arrivals, once read, hold iterates (inputs made here may be kept: staged momentum)
-                reuse = matrices is batch.matrices and matrices is not None and results_replace_arrivals(matrices.dtype, dtype)
-                if (matrices is None or matrices is not batch.matrices) and self.newton_schulz.reads_pieces(batch.key, self.comm_dtype):
-                    # read by the pieces they travelled in, arrived or made here alike: one norm, one layout
-                    matrices, reuse = [_pieces(batch.key[0], batch.arrivals[i] if matrices is None else
-                                               [(p, matrices[i, p.rows[0] : p.rows[1], p.cols[0] : p.cols[1]]) for p, _ in slots[u]])
-                                       for i, u in enumerate(batch.units)], False  # fmt: skip
-                workspace = self.newton_schulz.workspace_bytes(batch.key, 1, spare=not reuse)
-                memory.add(workspace)
-                self.newton_schulz(batch.key, matrices, self.timer, self.work, out=blocks, buffers=buffers,
-                                   spare=matrices.view(dtype) if reuse else None)  # fmt: skip
-                # the norm over the blocks as they lie in the return buffer: adjacent ones as one run
-                views = sorted((view for unit_blocks in blocks for _, _, view in unit_blocks), key=Tensor.storage_offset)
-                runs = [run for (run,) in coalesce([(view,) for view in views])]
-                self.newton_schulz.add_update_norm(batch.key[1], runs, self.work, buffers)
-                memory.free(workspace)
-                continue
-            in_place = matrices is batch.matrices and results_replace_arrivals(matrices.dtype, dtype)
-            out = matrices.view(dtype) if in_place else buffers.take(matrices.shape, dtype)
-            if not in_place:
-                nbytes = out.numel() * out.element_size()
-                counted += nbytes
-                memory.add(nbytes)  # until the return buffer is packed
-            for chunk in self.newton_schulz.chunks(batch.key, len(matrices)):
-                workspace = self.newton_schulz.workspace_bytes(batch.key, chunk.stop - chunk.start)
-                memory.add(workspace)
-                self.newton_schulz(batch.key, matrices[chunk], self.timer, self.work, out=out[chunk], buffers=buffers)
-                memory.free(workspace)
-            results.update(zip(batch.units, out.unbind(0)))
-        memory.free(made)
+                self._into_return_buffer(batch, matrices, returns(), buffers)
+            else:
+                counted += self._into_results(batch, matrices, results, buffers)
+        self.memory.free(made)
         return results, counted
+
+    def _into_return_buffer(self, batch: Batch, matrices: Tensor | None, slots: ReturnSlots, buffers: Buffers) -> None:
+        """A batch's updates written by NS's last products into the return buffer's slots, one matrix at
+        a time; its input read by the pieces it travelled in where reads_pieces (where it arrived,
+        `matrices` None, or as views of a matrix made here: one norm, one layout either way)."""
+        key, dtype = batch.key, self.newton_schulz.result_dtype(batch.key)
+        blocks = [[(piece.rows, piece.cols, view) for piece, view in slots[u]] for u in batch.units]
+        # the arrivals, once read, hold iterates (inputs made here may be kept: staged momentum)
+        reuse = matrices is not None and matrices is batch.matrices and results_replace_arrivals(matrices.dtype, dtype)
+        if (matrices is None or matrices is not batch.matrices) and self.newton_schulz.reads_pieces(key, self.comm_dtype):
+            matrices = [_pieces(key[0], batch.arrivals[i] if matrices is None else
+                                [(p, matrices[i, p.rows[0] : p.rows[1], p.cols[0] : p.cols[1]]) for p, _ in slots[u]])
+                        for i, u in enumerate(batch.units)]  # fmt: skip
+        workspace = self.newton_schulz.workspace_bytes(key, 1, spare=not reuse)
+        self.memory.add(workspace)
+        self.newton_schulz(key, matrices, self.timer, self.work, out=blocks, buffers=buffers, spare=matrices.view(dtype) if reuse else None)
+        # the norm over the blocks as they lie in the return buffer: adjacent ones as one run
+        views = sorted((view for unit_blocks in blocks for _, _, view in unit_blocks), key=Tensor.storage_offset)
+        self.newton_schulz.add_update_norm(key[1], [run for (run,) in coalesce([(view,) for view in views])], self.work, buffers)
+        self.memory.free(workspace)
+
+    def _into_results(self, batch: Batch, matrices: Tensor, results: dict[int, Tensor], buffers: Buffers) -> int:
+        """A batch's updates as one result tensor (added to `results` per unit), chunk by chunk; the
+        bytes counted for it (none where it takes the arrivals' place)."""
+        dtype = self.newton_schulz.result_dtype(batch.key)
+        in_place = matrices is batch.matrices and results_replace_arrivals(matrices.dtype, dtype)
+        out = matrices.view(dtype) if in_place else buffers.take(matrices.shape, dtype)
+        counted = 0 if in_place else out.numel() * out.element_size()
+        self.memory.add(counted)  # until the return buffer is packed
+        for chunk in self.newton_schulz.chunks(batch.key, len(matrices)):
+            workspace = self.newton_schulz.workspace_bytes(batch.key, chunk.stop - chunk.start)
+            self.memory.add(workspace)
+            self.newton_schulz(batch.key, matrices[chunk], self.timer, self.work, out=out[chunk], buffers=buffers)
+            self.memory.free(workspace)
+        results.update(zip(batch.units, out.unbind(0)))
+        return counted
 
     def _owner_inputs(self, s: int, engine: ExchangeEngine, r: int, batches: list[Batch], scales: dict[int, float]) -> list[Tensor]:
         """What Newton–Schulz gets for each batch: DeMo's average of the replicas' compressed
