@@ -151,13 +151,13 @@ class MatrixStep:
         a time; its input read by the pieces it travelled in where reads_pieces (where it arrived,
         `matrices` None, or as views of a matrix made here: one norm, one layout either way)."""
         key, dtype = batch.key, self.newton_schulz.result_dtype(batch.key)
-        blocks = [[(piece.rows, piece.cols, view) for piece, view in slots[u]] for u in batch.units]
+        blocks = [_rectangles(slots[u]) for u in batch.units]
         # the arrivals, once read, hold iterates (inputs made here may be kept: staged momentum)
         reuse = matrices is not None and matrices is batch.matrices and results_replace_arrivals(matrices.dtype, dtype)
         if (matrices is None or matrices is not batch.matrices) and self.newton_schulz.reads_pieces(key, self.comm_dtype):
-            matrices = [_pieces(key[0], batch.arrivals[i] if matrices is None else
-                                [(p, matrices[i, p.rows[0] : p.rows[1], p.cols[0] : p.cols[1]]) for p, _ in slots[u]])
-                        for i, u in enumerate(batch.units)]  # fmt: skip
+            matrices = [Pieces(key[0], _rectangles(batch.arrivals[i]) if matrices is None else
+                               [(rows, cols, matrices[i, rows[0] : rows[1], cols[0] : cols[1]]) for rows, cols, _ in blocks[i]])
+                        for i in range(len(batch.units))]  # fmt: skip
         workspace = self.newton_schulz.workspace_bytes(key, 1, spare=not reuse)
         self.memory.add(workspace)
         self.newton_schulz(key, matrices, self.timer, self.work, out=blocks, buffers=buffers, spare=matrices.view(dtype) if reuse else None)
@@ -218,8 +218,9 @@ class MatrixStep:
 
 
 
-def _pieces(shape: tuple[int, int], pieces: list[tuple[Piece, Tensor]]) -> Pieces:
-    return Pieces(shape, [(piece.rows, piece.cols, view) for piece, view in pieces])
+def _rectangles(pieces: list[tuple[Piece, Tensor]]) -> list[tuple[tuple[int, int], tuple[int, int], Tensor]]:
+    """(piece, view) pairs as newton_schulz's rectangles of their matrix (Blocks, Pieces.blocks)."""
+    return [(piece.rows, piece.cols, view) for piece, view in pieces]
 
 
 def reads_arrivals(engine: ExchangeEngine, key: tuple, newton_schulz: Orthogonalizer, wire: torch.dtype, demo: bool) -> bool:

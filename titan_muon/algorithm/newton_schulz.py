@@ -618,6 +618,8 @@ def orthogonalize(
             raise ValueError("orthogonalize: fp16 NS scales its input in fp32 and cannot read it as Pieces")
     if into is not None:
         _check_blocks(into, matrix, dtype)
+        if spare is not None and (spare.shape != matrix.shape or spare.dtype != dtype or not spare.is_contiguous()):
+            raise ValueError(f"orthogonalize: spare must be a contiguous {tuple(matrix.shape)} {dtype} tensor")
     elif out is None:
         out = buffers.take(matrix.shape, dtype)
     elif out.shape != matrix.shape or out.dtype != dtype or not out.is_contiguous():
@@ -641,8 +643,6 @@ def orthogonalize(
         spare = out
     elif spare is None:
         spare = buffers.take(matrix.shape, dtype)
-    elif spare.shape != matrix.shape or spare.dtype != dtype or not spare.is_contiguous():
-        raise ValueError(f"orthogonalize: spare must be a contiguous {tuple(matrix.shape)} {dtype} tensor")
     if algorithm == "gram":
         x = gram_iterations(x, schedule, gram_segments(steps, dtype), spare, buffers, scale, into)
     else:
