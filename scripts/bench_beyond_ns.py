@@ -9,6 +9,9 @@ in turn on the same gradients:
   ``newton_schulz`` phase and the ``wait`` for the other ranks' NS is "around NS"; adding the
   NS phase's own operations other than its matrix products (batching copies, normalization,
   casts) gives "beyond the NS products";
+* the same profiled step with ``measure_update_rms = False``: a step whose metrics are not
+  logged (the torchtitan adapter measures ``muon/update_rms`` in logged steps only; with
+  torchtitan's default log_freq of 10 that is nine steps in ten);
 * the same with ``compile_elementwise=True`` (``--compiled``): the element-wise passes as
   torch.compile'd kernels, as on CUDA (on CPU the default runs them eagerly);
 * Muon with ``ns_steps`` = 1 and 6: the step with zero NS iterations extrapolated from the two
@@ -87,18 +90,20 @@ def _rank_main(rank, world, args):
                        compile_elementwise=name == "muon compiled")  # fmt: skip
         runs[name] = (model, opt)
     times = {name: [] for name in runs}
-    phases = {name: [] for name in ("muon", "muon compiled")}
+    phases = {name: [] for name in ("muon", "muon unlogged", "muon compiled")}
     for step in range(args.warmup + args.steps):
         for name, (model, opt) in runs.items():
-            for profiled in (False, True) if name == "muon" else (True,) if name == "muon compiled" else (False,):
+            for profiled in (False, True, "unlogged") if name == "muon" else (True,) if name == "muon compiled" else (False,):
                 for p, g in zip(model.parameters(), _gradients(model, step * world + rank)):
                     p.grad = g
                 dist.barrier()
                 if profiled:
+                    opt.measure_update_rms = profiled != "unlogged"
                     with profile(activities=[ProfilerActivity.CPU]) as prof:
                         opt.step()
+                    opt.measure_update_rms = True
                     if step >= args.warmup:
-                        phases[name].append(_phase_ms(prof) | {"ns_operations": _ns_operations_ms(prof)})
+                        phases[name + (" unlogged" if profiled == "unlogged" else "")].append(_phase_ms(prof) | {"ns_operations": _ns_operations_ms(prof)})
                 else:
                     started = time.perf_counter()
                     opt.step()
@@ -120,7 +125,7 @@ def summarize(ranks, steps: int) -> dict[str, float]:
     at_a = median(_slowest(ranks, f"muon ns_steps={a}", i) for i in range(steps))
     at_b = median(_slowest(ranks, f"muon ns_steps={b}", i) for i in range(steps))
     summary = dict(fused=fused, step=step, no_iterations=at_a - a * (at_b - at_a) / (b - a))
-    for name, label in (("muon", ""), ("muon compiled", " compiled")):
+    for name, label in (("muon", ""), ("muon unlogged", " unlogged"), ("muon compiled", " compiled")):
         if not ranks[0]["phases"][name]:
             continue
         around = [median(p["step"] - sum(p.get(k, 0.0) for k in NS_PHASES) for p in r["phases"][name]) for r in ranks]
@@ -165,17 +170,19 @@ def main():
     for malloc in args.mallocs.split(","):
         use_malloc(malloc)
         ranks = run_on_ranks(_rank_main, args.world, args)
-        tables = {name: phase_table(ranks, name) for name in ("muon", "muon compiled") if ranks[0]["phases"][name]}
+        tables = {name: phase_table(ranks, name) for name in ("muon", "muon unlogged", "muon compiled") if ranks[0]["phases"][name]}
         results[malloc] = (summarize(ranks, args.steps), tables)
 
     def cell(s, key):
         return f"{1e3 * s[key]:.1f} ({s[key] / s['fused']:.2f}×)" if key in s else "–"
 
     lines = ["| malloc | fused AdamW step ms | Muon step ms | around NS ms (× fused AdamW; goal ≤ 1.5×) | "
-             "beyond the NS products ms (×; goal ≤ 3×) | compiled passes: around NS | compiled: beyond the NS products | "
-             "beyond the NS iterations, extrapolated |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "beyond the NS products ms (×; goal ≤ 3×) | a step not logged: around NS | not logged: beyond the NS products | "
+             "compiled passes: around NS | compiled: beyond the NS products | beyond the NS iterations, extrapolated |",
+             "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for malloc, (s, _) in results.items():
         lines.append(f"| {malloc} | {1e3 * s['fused']:.1f} | {1e3 * s['step']:.1f} | {cell(s, 'around')} | {cell(s, 'beyond products')} | "
+                     f"{cell(s, 'around unlogged')} | {cell(s, 'beyond products unlogged')} | "
                      f"{cell(s, 'around compiled')} | {cell(s, 'beyond products compiled')} | {cell(s, 'no_iterations')} |")  # fmt: skip
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
     command = "python scripts/bench_beyond_ns.py " + " ".join(sys.argv[1:])
@@ -189,7 +196,8 @@ def main():
         "",
         *lines,
         "",
-        "\"around NS\": the profiled step minus its `newton_schulz` and `wait` phases; \"beyond the NS products\": that "
+        "\"around NS\": the profiled step minus its `newton_schulz` and `wait` phases (\"a step not logged\": with "
+        "`measure_update_rms = False`, no `update_norm`); \"beyond the NS products\": that "
         "plus the NS phase's operations other than matrix products (both on the rank where they are largest); \"beyond "
         f"the NS iterations\": unprofiled steps at ns_steps = {EXTRAPOLATED_FROM[0]} and {EXTRAPOLATED_FROM[1]} extrapolated "
         "to none (it includes Gram NS's first and last products, which do not grow with ns_steps).",

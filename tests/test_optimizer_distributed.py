@@ -56,14 +56,18 @@ def _dtensor_run(rank, world, mesh_shape, steps, overrides):
     placements = [Shard(0)] if len(mesh_shape) == 1 else [Replicate(), Shard(0)]
     module = _distributed_params(mesh, placements)
     opt = _optimizer(module, **overrides)
+    measured = []
     for s in range(steps):
         _set_grads(module, s, mesh, placements)
+        opt.measure_update_rms = s % 2 == 1  # muon/update_rms on every other step: skipping it changes no weight
         opt.step()
+        measured.append("muon/update_rms" in opt.last_step_metrics)
     local_muon_bytes = sum(p.to_local().numel() * 4 for n, p in module.named_parameters() if n in MUON)
     return {
         "params": {n: p.full_tensor() for n, p in module.named_parameters()},
         "bytes_sent": opt.last_step_metrics["muon/bytes_sent"],
         "local_muon_bytes": local_muon_bytes,
+        "measured": measured,
     }
 
 
@@ -95,6 +99,7 @@ def test_sharded_run_equals_one_process(world):
     expected = _one_process(4)
     for r, result in enumerate(results):
         check_equal_to_one_process(result["params"], expected, 4, f"W={world} rank {r}")
+        assert result["measured"] == [False, True, False, True]
         # Communication accounting: outbound shards + returning rows of owned matrices.
         ratio = result["bytes_sent"] / result["local_muon_bytes"]
         print(f"W={world} rank {r}: Muon bytes sent {result['bytes_sent']:.0f} = {ratio:.2f}x local shard bytes")

@@ -541,3 +541,39 @@ def test_coalesce_merges_only_blocks_that_continue_each_other_in_memory():
     # column blocks are not contiguous: never merged
     assert len(coalesce([(experts[0][:, :2], slots[0][:, :2]), (experts[1][:, :2], slots[1][:, :2])])) == 2
     assert coalesce([]) == []
+
+
+def test_update_rms_is_the_applied_update_and_an_unmeasured_step_skips_only_it():
+    params = make_params()
+    lr, wd = 0.5, 0.1
+    runs = []
+    for measured in (True, False):
+        tensors = {n: nn.Parameter(p.clone()) for n, p in params.items()}
+        opt = Muon([{"params": [(n, tensors[n]) for n in "abce"]}, {"params": [(n, tensors[n]) for n in "d"], "use_muon": False}],
+                   lr=lr, weight_decay=wd)  # fmt: skip
+        opt.measure_update_rms = measured
+        metrics = []
+        for step in range(2):
+            before = {n: t.detach().clone() for n, t in tensors.items()}
+            for n, g in grads_for(step, params).items():
+                tensors[n].grad = g
+            opt.step()
+            metrics.append(opt.last_step_metrics)
+        runs.append((tensors, before, metrics))
+    (measured, before, with_rms), (unmeasured, _, without_rms) = runs
+    for n in params:  # the metric reads the updates; it changes none of them
+        assert torch.equal(measured[n].detach(), unmeasured[n].detach()), n
+    assert all("muon/update_rms" in m for m in with_rms) and not any("muon/update_rms" in m for m in without_rms)
+    # the update applied: lr·U = (1 − lr·wd)·W_before − W_after over the Muon matrices. Computing it
+    # from the weights in fp32 cancels (1 − lr·wd)·W against itself: each entry is off by a few fp32
+    # ulps of |W| (≤ 4 of them: the product, the step's own rounding, the subtraction), which bounds the
+    # RMS's error by 4·2⁻²³·max|W| absolutely.
+    applied = torch.cat([((1 - lr * wd) * before[n] - measured[n].detach()).flatten() for n in "abce"])
+    rms = applied.square().mean().sqrt().item()
+    bound = 4 * 2**-23 * max(before[n].abs().max().item() for n in "abce")
+    assert abs(with_rms[-1]["muon/update_rms"] - rms) <= bound, (with_rms[-1]["muon/update_rms"], rms, bound)
+    # one fp32 scalar (the sum of squares, alive through the step) fewer in its transient memory, every other figure the same
+    m, u = with_rms[-1], without_rms[-1]
+    assert m["muon/peak_transient_bytes"] - u["muon/peak_transient_bytes"] == 4.0
+    assert {k: v for k, v in m.items() if "time" not in k and k not in ("muon/update_rms", "muon/update_elements", "muon/peak_transient_bytes")} == \
+        {k: v for k, v in u.items() if "time" not in k and k != "muon/peak_transient_bytes"}  # fmt: skip

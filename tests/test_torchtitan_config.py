@@ -13,7 +13,7 @@ import titan_muon.torchtitan  # noqa: F401  (registers specs and datasets)
 from titan_muon.torchtitan.checkpoint import CheckpointError, checkpoint_to_resume, interrupted_saves
 from titan_muon.torchtitan.config import validate_optimizer_config
 from titan_muon.torchtitan.data import ensure_offline_tokenizer, read_text_files
-from titan_muon.torchtitan.metrics import optimizer_metrics
+from titan_muon.torchtitan.metrics import measure_logged_steps_only, note_logged_step, optimizer_metrics
 from titan_muon.torchtitan.v022.optimizer import MuonOptimizersContainer
 from titan_muon.torchtitan.v022.specs import LLAMA3_FLAVORS
 
@@ -232,6 +232,25 @@ def test_container_splits_muon_and_adamw_and_follows_the_lr_schedule():
     state = container.state_dict()  # torchtitan's flattened DCP form
     assert "state.layers.1.attention.wq.weight.momentum_buffer" in state
     assert "state.output.weight.exp_avg_sq" in state
+
+
+def test_update_rms_is_measured_in_the_steps_torchtitan_logs():
+    """The container's hooks (0.2.2's build_optimizers and 0.3.0's container apply them) and the
+    processor's note after each log: with log_freq 3, torchtitan logs steps 1, 3, 6 and 9."""
+    model = tiny_llama()
+    container = MuonOptimizersContainer([model], parse().optimizer)
+    measure_logged_steps_only(container)
+    should_log = lambda step: step == 1 or step % 3 == 0  # noqa: E731  (MetricsProcessor.should_log)
+    tokens = torch.randint(0, 2048, (2, 16))
+    measured = []
+    for step in range(1, 10):
+        container.zero_grad()
+        model(tokens).float().logsumexp(-1).mean().backward()
+        container.step()
+        measured.append("muon/update_rms" in optimizer_metrics(container))
+        if should_log(step) and step != 6:  # a log that does not come: every step measures until the next
+            note_logged_step(container, step, should_log)
+    assert measured == [True, False, True, False, False, True, True, True, True]
 
 
 def test_text_files_split_is_fixed_and_disjoint(tmp_path):

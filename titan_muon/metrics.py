@@ -32,7 +32,7 @@ def step_metrics(work, timer: StepTimer, engines, skipped_steps: int, early: lis
         **overlap_metrics(early),
         **(replicas.metrics() if replicas is not None else {}),
     }
-    if work.update_numel:
+    if work.update_numel and work.update_sq is not None:  # measured (Muon.measure_update_rms)
         metrics["muon/update_rms"] = (work.update_sq / work.update_numel).sqrt()
         metrics["muon/update_elements"] = float(work.update_numel)
     return metrics

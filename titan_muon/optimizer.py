@@ -80,6 +80,7 @@ class Muon(Optimizer):
         compile_elementwise: the element-wise passes as ``torch.compile``d kernels (update.py), and
         keep_reservation: a streaming step's reserved memory kept between steps (reservation.py);
             None (default): compiled on CUDA only, kept off it (no caching allocator keeps it there).
+    ``measure_update_rms = False`` before a step skips ``muon/update_rms``, one read of every update (the torchtitan adapter: between logged steps).
     """
 
     def __init__(
@@ -147,7 +148,7 @@ class Muon(Optimizer):
         )  # fmt: skip
         self._layout_ready = False
         super().__init__(params, defaults)
-        self.skipped_steps, self.last_step_skipped = 0, False
+        self.skipped_steps, self.last_step_skipped, self.measure_update_rms = 0, False, True
         self.owner_blocks: dict[tuple[int, int], dict] = {}  # (rank set, unit) -> whole-matrix state
         self._metrics, self._metrics_read = {}, None  # this step's figures (some on the device), and as read
         self._build_layout()
@@ -243,7 +244,7 @@ class Muon(Optimizer):
         timer.start("step")
         checkpoint.create_state(self)
         align_gradient_placements(self.param_groups)
-        (streaming, reserves), failure, work = self.commit_plan, StepFailure(), StepWork(update_sq=torch.zeros((), device=self.device))
+        (streaming, reserves), failure, work = self.commit_plan, StepFailure(), StepWork(update_sq=torch.zeros((), device=self.device) if self.measure_update_rms else None)
         with phase("reserve"):  # a streaming step's memory, before anything is agreed or written
             reserved, unreserved = reserve_rounds(self.engines, self.muon_params, self.newton_schulz, self.comm_dtype, self.reservations, work.memory) if reserves else (None, None)
         with phase("check_gradients"):

@@ -126,14 +126,15 @@ class Orthogonalizer:
                 scaled, count = run(matrices, out, spare), 1 if matrices.ndim == 2 else matrices.shape[0]
         timer.stop("ns")
         work.ns_flops += count * newton_schulz_flops(*shape, steps, algorithm, dtype, device.type)
-        if isinstance(scaled, Tensor):
+        if isinstance(scaled, Tensor) and work.update_sq is not None:
             self.add_update_norm(group_index, [scaled], work, buffers)
         work.update_numel += count * shape[0] * shape[1]
         return scaled
 
     def add_update_norm(self, group_index: int, parts: list[Tensor], work, buffers: Buffers) -> None:
         """work.update_sq += ‖lr·U‖² over `parts`, results of group `group_index` as returned (the
-        sum of squares behind muon/update_rms), through one fp32 scalar from `buffers`."""
+        sum of squares behind muon/update_rms), through one fp32 scalar from `buffers`. Not called
+        for a step that does not measure it (work.update_sq None: Muon.measure_update_rms)."""
         group = self.param_groups()[group_index]
         lr = group["lr"].reshape(()) if isinstance(group["lr"], Tensor) else group["lr"]  # a one-element tensor lr
         factor = (lr / commit_scale(group["weight_decay"])) ** 2

@@ -23,7 +23,7 @@ from torchtitan.distributed import ParallelDims
 from titan_muon import Muon
 from titan_muon.exchange.verdict import agreeing_model_parts
 from titan_muon.torchtitan.config import validate_optimizer_config
-from titan_muon.torchtitan.metrics import time_optimizer_steps
+from titan_muon.torchtitan.metrics import measure_logged_steps_only, time_optimizer_steps
 from titan_muon.torchtitan.muon import (  # noqa: F401
     build_muon,
     merged_step_metrics,
@@ -84,6 +84,7 @@ def build_optimizers(
     else:
         optimizers = build_torchtitan_optimizers(model_parts, optimizer_config, parallel_dims, **kwargs)
     time_optimizer_steps(optimizers)
+    measure_logged_steps_only(optimizers)
     return optimizers
 
 

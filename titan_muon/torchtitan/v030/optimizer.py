@@ -68,7 +68,7 @@ from titan_muon import Muon
 from titan_muon.exchange.verdict import agreeing_model_parts
 from titan_muon.torchtitan import config as optimizer_section
 from titan_muon.torchtitan.config import validate_optimizer_config
-from titan_muon.torchtitan.metrics import time_optimizer_steps
+from titan_muon.torchtitan.metrics import measure_logged_steps_only, time_optimizer_steps
 from titan_muon.torchtitan.muon import build_muon, merged_step_metrics, muon_kwargs
 from titan_muon.torchtitan.qk_clip import QKClipAfterStep
 from titan_muon.torchtitan.replicas import check_replicas
@@ -141,6 +141,7 @@ class MuonOptimizersContainer(QKClipAfterStep, OptimizersContainer):
         if not self.pipeline_stage:  # the world reduces max logits: every rank holds every layer
             self._build_qk_clips(model_parts, config)
         time_optimizer_steps(self)
+        measure_logged_steps_only(self)
 
     def use_parallel_dims(self, parallel_dims: ParallelDims) -> None:
         """What the 0.2.2 container gets at construction: under pipeline parallel, each Muon's
