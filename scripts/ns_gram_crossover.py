@@ -53,7 +53,7 @@ def main() -> None:
                     return _write(args.json, rows)
                 n = int(round(m * aspect / 64)) * 64
                 x = torch.randn(batch, m, n, device=device) if batch > 1 else torch.randn(m, n, device=device)
-                run = lambda dtype, algorithm: orthogonalize(x, 5, "polar_express", dtype, algorithm=algorithm)
+                run = lambda dtype, algorithm, x=x: orthogonalize(x, 5, "polar_express", dtype, algorithm=algorithm)
                 standard = timed(lambda: run(torch.bfloat16, "standard"), device, repeats=5, warmup=2)
                 gram = timed(lambda: run(torch.float16, "gram"), device, repeats=5, warmup=2)
                 with mock.patch.object(newton_schulz, "symmetric_split_min", lambda device_type: 1 << 30):

@@ -511,7 +511,7 @@ def render(rows: Sequence[Row], command: str, elapsed_s: float) -> str:
         "`ns_algorithm=\"auto\"` picks it on GPUs (short side ≥ 2048, aspect ≥ 2.5: Llama's MLP, DeepSeek-V3 and Kimi K2 experts; "
         "measured on an H100) and standard NS in bf16 elsewhere, element-wise passes "
         f"compiled (each traced as one kernel), fp32 momentum, {DEFAULT_EXCHANGE_MEMORY_MB / 1024:g} GiB exchange memory, commit=\"auto\" (streaming, "
-        "every buffer of the step reserved before its first agreement; atomic under pipeline parallel, i.e. Kimi K2), "
+        "every buffer of the step reserved before its first agreement, pipeline stages included), "
         "2 rounds in flight, no overlap); `scripts/replay.py` replays all ranks' traces with a host clock, one "
         "compute stream and one in-order stream per communicator per rank (its docstring has the rules, "
         "`Hardware` every rate and its source). Checked by `tests/test_simulate_scale.py`."),
@@ -611,8 +611,9 @@ FINDINGS = """## What the replay shows
   4,219 kernels, 32.2 ms of host time (4,298 before the streaming default; then `--launch-us 18.5` replayed the step at 86.1 ms, host and
   compute about even; Llama-3 8B: 124.5 ms, Kimi K2's stage 0: 143.7 ms, both compute-bound).
   The commit's momentum lerp, which recomputed what packing computed, is gone wherever the step
-  streams (`commit="auto"`: every row but Kimi K2's, whose pipeline stages commit atomically, so
-  its stages still move 42 bytes per element); inside the NS phase what is left is scaling the input
+  streams (`commit="auto"`: every row, Kimi K2's pipeline stages too since 2026-11-28, when their
+  reservation joined the verdict's all-reduce over the pipeline; committing atomically they moved
+  42 bytes per element); inside the NS phase what is left is scaling the input
   (12 bytes per element under fp16 Gram NS, whose norm and quotient now read the bf16 arrival as
   it is: 26 before; 6 under bf16 NS; docs/performance.md, "Bytes per Muon element").
 - **Memory: the streaming step holds its reservation, not every update.** With `commit="auto"` a
@@ -623,7 +624,8 @@ FINDINGS = """## What the replay shows
   `commit="atomic"` on 2026-11-28). The reservation holds each region's largest round for the whole
   step, so where the rounds are few it can exceed the atomic step's moving peak: Llama-3 8B at W = 64
   (3 rounds) 1,280 MiB against 656 atomic, Llama-3 70B at W = 64 (7 rounds) 5,120 against 4,080.
-  Kimi K2's stages commit atomically (pipeline parallel) and hold 7.9–8.6 GiB.
+  Kimi K2's pipeline stages stream as well (docs/reliability.md): committing atomically, as they
+  did before 2026-11-28, they held 7.9–8.6 GiB.
 
 ## Limits of the model
 

@@ -27,7 +27,9 @@ SETTINGS = dict(lr=0.02, weight_decay=0.1, momentum=0.9, exchange_memory_mb=0.01
 STEPS, DP = 3, 2
 
 
-def stage_run(rank, world):
+def stage_run(rank, world, with_pipeline_group=False):
+    """PP 2 x FSDP 2, STEPS steps; ``with_pipeline_group``: the stages agree over the pipeline
+    (as titan_muon's torchtitan containers set it up), and each step still streams, reserved."""
     mesh = init_device_mesh("cpu", (2, DP), mesh_dim_names=("pp", "dp"))
     stage = mesh.get_coordinate()[0]
     full = make_params(stage, STAGE_SHAPES[stage])
@@ -39,7 +41,7 @@ def stage_run(rank, world):
         {"params": [(n, p) for n, p in named.items() if n in MUON]},
         {"params": [(n, p) for n, p in named.items() if n not in MUON], "use_muon": False},
     ]
-    optimizer = Muon(groups, **SETTINGS)
+    optimizer = Muon(groups, **SETTINGS, **({"pipeline_group": mesh["pp"].get_group()} if with_pipeline_group else {}))
     for step in range(STEPS):
         for name, grad in grads_for(step, full).items():
             named[name].grad = distribute_tensor(grad, mesh["dp"], [Shard(0)])
@@ -47,6 +49,7 @@ def stage_run(rank, world):
     return {
         "stage": stage,
         "exchange_ranks": sorted(dist.get_process_group_ranks(optimizer.transport.group)),
+        "commit_plan": optimizer.commit_plan,
         "params": {n: p.full_tensor() for n, p in named.items()},
     }
 
@@ -87,3 +90,60 @@ def stage_skip_run(rank, world, policy, join_later=False):
     after = {n: p.full_tensor() for n, p in named.items()}
     unchanged = all(torch.equal(before[n], after[n]) for n in before)
     return {"stage": stage, "outcome": outcome, "unchanged": unchanged, "skipped": optimizer.skipped_steps}
+
+
+class _ReservationFailsOnce:
+    """`torch` as titan_muon.exchange.reservation sees it, except that its first `torch.empty`
+    (the step's reservation) raises, as an out-of-memory error would."""
+
+    def __init__(self):
+        self.failed = False
+
+    def __getattr__(self, name):
+        if name != "empty" or self.failed:
+            return getattr(torch, name)
+
+        def empty(*args, **kwargs):
+            self.failed = True
+            raise MemoryError("injected failure")
+
+        return empty
+
+
+def stage_reservation_failure_run(rank, world, failing_rank):
+    """PP 2 x FSDP 2 with the pipeline group, streaming (commit="auto"), reserved anew each step
+    (keep_reservation=False, as on a GPU); at step 1 `failing_rank` cannot reserve."""
+    from titan_muon.exchange import reservation
+
+    mesh = init_device_mesh("cpu", (2, DP), mesh_dim_names=("pp", "dp"))
+    stage = mesh.get_coordinate()[0]
+    full = make_params(stage, STAGE_SHAPES[stage])
+    module = nn.Module()
+    for name, tensor in full.items():
+        module.register_parameter(name, nn.Parameter(distribute_tensor(tensor, mesh["dp"], [Shard(0)])))
+    named = dict(module.named_parameters())
+    groups = [
+        {"params": [(n, p) for n, p in named.items() if n in MUON]},
+        {"params": [(n, p) for n, p in named.items() if n not in MUON], "use_muon": False},
+    ]
+    optimizer = Muon(groups, pipeline_group=mesh["pp"].get_group(), keep_reservation=False, **SETTINGS)
+    outcome = "stepped"
+    for step in range(2):
+        for name, grad in grads_for(step, full).items():
+            named[name].grad = distribute_tensor(grad, mesh["dp"], [Shard(0)])
+        before = ({n: p.to_local().clone() for n, p in named.items()},
+                  {(n, k): v.to_local().clone() for n, p in named.items() for k, v in optimizer.state[p].items() if v.ndim > 0})  # fmt: skip
+        original = reservation.torch
+        if step == 1 and rank == failing_rank:
+            reservation.torch = _ReservationFailsOnce()
+        try:
+            optimizer.step()
+        except RuntimeError as error:
+            outcome = str(error)
+        finally:
+            reservation.torch = original
+    after = ({n: p.to_local().clone() for n, p in named.items()},
+             {(n, k): v.to_local().clone() for n, p in named.items() for k, v in optimizer.state[p].items() if v.ndim > 0})  # fmt: skip
+    unchanged = before[0].keys() == after[0].keys() and all(torch.equal(before[0][n], after[0][n]) for n in before[0]) and \
+        before[1].keys() == after[1].keys() and all(torch.equal(before[1][k], after[1][k]) for k in before[1])  # fmt: skip
+    return {"stage": stage, "outcome": outcome, "unchanged": unchanged, "commit_plan": optimizer.commit_plan}

@@ -120,6 +120,9 @@ def _parts_run(rank, world, policy, nan_part, overlap):
                    pipeline_group=mesh["pp"].get_group())  # fmt: skip
         parts.append((opt, named, shapes))
     container = _container([opt for opt, _, _ in parts])
+    plans = []  # each part's commit plan inside the container's step
+    for opt, _, _ in parts:
+        opt.register_step_pre_hook(lambda o, args, kwargs: plans.append(o.commit_plan))
     outcome, unchanged = "stepped", None
     for step in range(3):
         terms = []
@@ -143,6 +146,7 @@ def _parts_run(rank, world, policy, nan_part, overlap):
         if step == 1:
             unchanged = [all(torch.equal(b[n], a[n]) for n in b) for b, a in zip(before, after)]
     return {"outcome": outcome, "unchanged": unchanged, "skipped": [opt.skipped_steps for opt, _, _ in parts],
+            "plans": plans, "plan_alone": parts[0][0].commit_plan,
             "params": [{n: p.full_tensor() for n, p in named.items()} for _, named, _ in parts]}  # fmt: skip
 
 
@@ -160,6 +164,9 @@ def test_a_nonfinite_gradient_in_one_part_skips_or_raises_every_part_on_every_ra
     results = run_distributed(_parts_run, PP * DP, policy, nan_part, overlap, timeout=240)
     for rank, result in enumerate(results):
         assert result["unchanged"] == [True, True], (rank, result["outcome"], result["unchanged"])
+        # stepped together, the parts commit atomically: a later part's reservation would come after
+        # an earlier part wrote; one part alone with the same pipeline group streams (fp32 momentum)
+        assert set(result["plans"]) == {(False, False)} and result["plan_alone"] == (not overlap, not overlap), (rank, result["plans"])
         if policy == "skip":
             assert result["outcome"] == "stepped" and result["skipped"] == [1, 1], (rank, result["outcome"], result["skipped"])
         else:

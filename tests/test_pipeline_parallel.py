@@ -11,7 +11,7 @@ import pytest
 import torch
 from common import make_params, run_titan
 from distributed import run_distributed, tiny_run_flags
-from pipeline_stages import DP, MUON, SETTINGS, STAGE_SHAPES, STEPS, stage_run, stage_skip_run
+from pipeline_stages import DP, MUON, SETTINGS, STAGE_SHAPES, STEPS, stage_reservation_failure_run, stage_run, stage_skip_run
 from torch import nn
 from torchtitan.components.loss import cross_entropy_loss
 
@@ -97,9 +97,13 @@ def test_a_nonfinite_gradient_in_one_stage_skips_or_raises_in_every_stage(policy
             assert "non-finite" in result["outcome"] and where in result["outcome"]
 
 
-def test_each_stage_optimizer_exchanges_within_its_stage():
-    results = run_distributed(stage_run, 2 * DP)
+@pytest.mark.parametrize("with_pipeline_group", [False, True], ids=["stages-alone", "pipeline-group"])
+def test_each_stage_optimizer_exchanges_within_its_stage(with_pipeline_group):
+    """With the pipeline group too, a stage streams its step, reserved (its reservation rides the
+    verdict over the pipeline), and equals one process as without it."""
+    results = run_distributed(stage_run, 2 * DP, with_pipeline_group)
     for rank, result in enumerate(results):
+        assert result["commit_plan"] == (True, True), rank  # commit="auto", fp32 momentum on the shards
         stage = result["stage"]
         assert stage == rank // DP  # torchtitan's mesh order: pp outermost
         assert result["exchange_ranks"] == list(range(stage * DP, (stage + 1) * DP))
@@ -109,6 +113,23 @@ def test_each_stage_optimizer_exchanges_within_its_stage():
         # another order: a few fp32 ulps per step on O(1) weights, 1e-5 is ~80 ulps at 1.0.
         for name, tensor in result["params"].items():
             assert (tensor - expected[name]).abs().max().item() <= 1e-5, (rank, name)
+
+
+@pytest.mark.parametrize("failing_rank", [1, 3], ids=["stage0", "stage1"])
+def test_a_reservation_that_fails_in_one_stage_raises_in_every_stage_before_anything_is_written(failing_rank):
+    """One rank of one stage cannot reserve its streaming step's memory: the stage's verdict
+    all-reduce tells its own ranks, the pipeline's MAX the other stage's, so all four raise with
+    parameters and momentum unchanged, before the first round is written anywhere."""
+    results = run_distributed(stage_reservation_failure_run, 2 * DP, failing_rank)
+    for rank, result in enumerate(results):
+        assert result["commit_plan"] == (True, True), rank
+        assert result["unchanged"], rank
+        if result["stage"] == failing_rank // DP:
+            assert "1 rank(s) could not reserve the memory of a streaming step" in result["outcome"], (rank, result["outcome"])
+            assert ("injected failure" in result["outcome"]) == (rank == failing_rank), result["outcome"]
+        else:
+            assert "a rank of another pipeline stage could not reserve" in result["outcome"], (rank, result["outcome"])
+        assert "nothing was changed" in result["outcome"]
 
 
 # ------------------------------------------------------- torchtitan runs

@@ -41,7 +41,7 @@ from titan_muon.exchange.params import MuonParam, build_units, collect_muon_para
 from titan_muon.exchange.plan import OVERLAP_MIN_ROUNDS, Unit
 from titan_muon.exchange.reservation import ReservationStore
 from titan_muon.exchange.transport import AcrossReplicas, Transport
-from titan_muon.exchange.verdict import Verdict, agree_on_gradients, align_gradient_placements
+from titan_muon.exchange.verdict import Verdict, agree_on_gradients, align_gradient_placements, decided_for_several_parts
 from titan_muon.metrics import state_bytes, step_metrics, wire_bytes
 from titan_muon.state import checkpoint
 from titan_muon.state.momentum import momentum_storage
@@ -65,7 +65,7 @@ class Muon(Optimizer):
         exchange_memory_mb: per-GPU MiB for the exchange buffers of the rounds in flight
             (2048); an owner always takes at least one matrix per round;
         commit: "auto" ("streaming" where the step's memory can be reserved up front: fp32 momentum
-            on the shards, one pipeline stage; else "atomic"), "atomic" (nothing written until every
+            on the shards, one model part per rank; else "atomic"), "atomic" (nothing written until every
             rank succeeded) or "streaming" (each round's weights written as it returns; commit.py);
         rounds_in_flight (2); bucket_size_mb, buckets_in_flight: their deprecated names;
         nonfinite_grads: "raise" or "skip" the step, on every rank (``last_step_skipped``);
@@ -275,7 +275,7 @@ class Muon(Optimizer):
     @property
     def commit_plan(self) -> tuple[bool, bool]:
         """(whether steps write each round as it returns, whether they reserve their memory first): settings.commit_plan."""
-        reservable = self.storage.name == "fp32" and not self.owner_momentum and self.pipeline is None and bool(self.engines)
+        reservable = self.storage.name == "fp32" and not self.owner_momentum and not decided_for_several_parts(self.pipeline) and bool(self.engines)
         return settings.commit_plan(self.commit_mode, reservable)
 
     def _agree_on_gradients(self, unreserved: str | None = None) -> Verdict:

@@ -125,8 +125,10 @@ def commit_plan(commit: str, reservable: bool) -> tuple[bool, bool]:
     """(streams, reserves) for a ``commit`` setting: whether steps write each round as it returns,
     and whether they first reserve every buffer they use (exchange/reservation.py). A step can
     reserve when its momentum is fp32 on the shards (no overlap, no DeMo: nothing is decoded or
-    staged as rounds go) and it is one pipeline stage or model part (whose verdict alone decides
-    whether to write), on a rank with Muon matrices: `reservable`. "auto" streams exactly then."""
+    staged as rounds go), on a rank with Muon matrices, stepping one model part (several parts per
+    rank agree before the first writes, and a later part's reservation would come after that:
+    verdict.decided_for_several_parts); a pipeline stage's reservation rides its verdict over the
+    pipeline: `reservable`. "auto" streams exactly then."""
     streams = commit == "streaming" or (commit == "auto" and reservable)
     return streams, streams and reservable
 

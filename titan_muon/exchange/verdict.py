@@ -6,7 +6,8 @@ non-finite on this rank, and with overlap what the gradients sent during backwar
 the same error, before anything changes.
 
 Under pipeline parallel a second, one-number MAX all-reduce over the pipeline carries what
-the stage found (:data:`NONFINITE`, :data:`UNEVEN`), so every stage skips or raises alike.
+the stage found (:data:`UNRESERVED`, :data:`NONFINITE`, :data:`UNEVEN`), so every stage skips or
+raises alike, before any stage writes: a stage's streaming step (its reservation) included.
 With several model parts per rank (interleaved schedules: one optimizer per part, stepping
 one after another) the parts must agree before the first one writes:
 :func:`agreeing_model_parts` agrees on all of them first and hands each part the outcome in
@@ -28,6 +29,7 @@ from titan_muon.algorithm.update import local_shard
 from titan_muon.exchange.transport import Transport
 
 # What a stage (or model part) found, MAX-reduced over the pipeline: the largest code wins.
+UNRESERVED = 0.5  # a rank could not reserve its streaming step's memory: raise (unless a stage skips: nothing is written either way)
 NONFINITE = 1.0  # a non-finite gradient: skip or raise, as nonfinite_grads says
 UNEVEN = 2.0  # a gradient present on some ranks but not on others: raise
 
@@ -75,7 +77,7 @@ def agree_on_gradients(params: Sequence[Tensor], name_of: Callable[[int], str], 
     world = transport.world_size
     elsewhere = []
     if pipeline is not None:
-        found = stage_code(status[:n], status[n : 2 * n], world)
+        found = torch.maximum(stage_code(status[:n], status[n : 2 * n], world), (status[-1] > 0).double() * UNRESERVED)
         elsewhere = [pipeline.all_reduce(found.reshape(1).clone(), torch.distributed.ReduceOp.MAX)]
     host = torch.cat([status[: 2 * n], *compared, status[-1:], *elsewhere]).tolist()
     code = host[-1] if pipeline is not None else 0.0
@@ -105,7 +107,7 @@ def agree_on_gradients(params: Sequence[Tensor], name_of: Callable[[int], str], 
             "titan_muon.Muon: gradients exist on some ranks but not on others in another pipeline stage or model "
             "part (its ranks name them). Every rank must produce the same set of gradients; nothing was changed."
         )
-    if bad or code:
+    if bad or code >= NONFINITE:
         if nonfinite_policy == "skip":
             return Verdict(skip_step=True)
         where = f"in {bad}" if bad else "in another pipeline stage or model part"
@@ -113,10 +115,11 @@ def agree_on_gradients(params: Sequence[Tensor], name_of: Callable[[int], str], 
             f"titan_muon.Muon: non-finite (NaN/Inf) gradients {where}; no parameter or state was changed. "
             'Pass nonfinite_grads="skip" to skip such steps instead.'
         )
-    if unreserved_ranks:
+    if unreserved_ranks or code:  # code == UNRESERVED: in another pipeline stage
         here = f"here: {unreserved}" if unreserved is not None else "this rank reserved its own"
+        where = f"{unreserved_ranks} rank(s)" if unreserved_ranks else "a rank of another pipeline stage"
         raise RuntimeError(
-            f"titan_muon.Muon: {unreserved_ranks} rank(s) could not reserve the memory of a streaming step ({here}); "
+            f"titan_muon.Muon: {where} could not reserve the memory of a streaming step ({here}); "
             "nothing was changed. Lower exchange_memory_mb, or pass commit='atomic'."
         )
     skipped = {id(p) for p, c in zip(params, missing_counts) if c == world}
@@ -131,6 +134,13 @@ def stage_code(missing: Tensor, nonfinite: Tensor, world: int) -> Tensor:
         return torch.zeros((), dtype=torch.float64, device=missing.device)
     uneven = ((missing > 0) & (missing < world)).any().double() * UNEVEN
     return torch.maximum(uneven, (nonfinite > 0).any().double() * NONFINITE)
+
+
+def decided_for_several_parts(pipeline) -> bool:
+    """Whether a step's pipeline transport is :func:`agreeing_model_parts`' outcome: the rank
+    steps several model parts, agreed on before the first of them wrote. Such a step cannot
+    reserve its memory (an earlier part has written by then), so it commits atomically."""
+    return isinstance(pipeline, _AgreedOutcome)
 
 
 class _AgreedOutcome:
