@@ -625,7 +625,7 @@ FINDINGS = """## What the replay shows
   step, so where the rounds are few it can exceed the atomic step's moving peak: Llama-3 8B at W = 64
   (3 rounds) 1,280 MiB against 656 atomic, Llama-3 70B at W = 64 (7 rounds) 5,120 against 4,080.
   Kimi K2's pipeline stages stream as well (docs/reliability.md): committing atomically, as they
-  did before 2026-11-28, they held 7.9–8.6 GiB.
+  did before 2026-11-28, they held 7.9–8.6 GiB (1.7–2.8 GiB streaming, replayed that day).
 
 ## Limits of the model
 
