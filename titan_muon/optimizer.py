@@ -322,11 +322,11 @@ class Muon(Optimizer):
     # Defaults for copies of optimizers pickled before these existed. partially_applied: a
     # streaming step failed after writing, so steps are refused until a checkpoint is loaded.
     hierarchical_exchange, ranks_per_node, compile_elementwise, keep_reservation = "auto", None, None, None
-    last_step_skipped, commit_mode, partially_applied = False, "atomic", False
+    last_step_skipped, commit_mode, partially_applied, measure_update_rms = False, "atomic", False, True
     _CARRIED = ("exchange_memory_mb", "rounds_in_flight", "ns_dtype_setting", "comm_dtype_setting", "nonfinite_grads",
                 "row_blocks", "overlap", "adamw_implementation", "storage", "skipped_steps", "owner_blocks", "pipeline_group",
                 "demo", "replicate_group", "hierarchical_exchange", "ranks_per_node", "last_step_skipped",
-                "compile_elementwise", "commit_mode", "partially_applied", "keep_reservation")  # fmt: skip
+                "compile_elementwise", "commit_mode", "partially_applied", "keep_reservation", "measure_update_rms")  # fmt: skip
 
     def __getstate__(self) -> dict:
         return {**super().__getstate__(), **{key: getattr(self, key) for key in self._CARRIED}}
