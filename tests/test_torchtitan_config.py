@@ -234,13 +234,21 @@ def test_container_splits_muon_and_adamw_and_follows_the_lr_schedule():
     assert "state.output.weight.exp_avg_sq" in state
 
 
-def test_update_rms_is_measured_in_the_steps_torchtitan_logs():
+def test_update_rms_is_measured_in_the_steps_torchtitan_logs(monkeypatch):
     """The container's hooks (0.2.2's build_optimizers and 0.3.0's container apply them) and the
-    processor's note after each log: with log_freq 3, torchtitan logs steps 1, 3, 6 and 9."""
+    metrics processor's log: with log_freq 3, torchtitan logs steps 1, 3, 6 and 9."""
+    from types import SimpleNamespace
+
+    from torchtitan.components.metrics import MetricsProcessor
+
+    from titan_muon.torchtitan.metrics import OptimizerMetricsProcessor
+
+    monkeypatch.setattr(MetricsProcessor, "log", lambda self, *args, **kwargs: None)  # torchtitan's own logging
     model = tiny_llama()
     container = MuonOptimizersContainer([model], parse().optimizer)
     measure_logged_steps_only(container)
-    should_log = lambda step: step == 1 or step % 3 == 0  # noqa: E731  (MetricsProcessor.should_log)
+    processor = OptimizerMetricsProcessor.__new__(OptimizerMetricsProcessor)
+    processor.job_config, processor.optimizers = SimpleNamespace(metrics=SimpleNamespace(log_freq=3)), container
     tokens = torch.randint(0, 2048, (2, 16))
     measured = []
     for step in range(1, 10):
@@ -248,9 +256,14 @@ def test_update_rms_is_measured_in_the_steps_torchtitan_logs():
         model(tokens).float().logsumexp(-1).mean().backward()
         container.step()
         measured.append("muon/update_rms" in optimizer_metrics(container))
-        if should_log(step) and step != 6:  # a log that does not come: every step measures until the next
-            note_logged_step(container, step, should_log)
-    assert measured == [True, False, True, False, False, True, True, True, True]
+        if processor.should_log(step):
+            processor.log(step, 1.0, 1.0, 1.0)
+    assert measured == [True, False, True, False, False, True, False, False, True]
+    # a log that does not come (step 3 here): every step measures until the next one
+    note_logged_step(container, 1, lambda step: step == 3)
+    for expected in (False, True, True, True):
+        container.step()
+        assert ("muon/update_rms" in optimizer_metrics(container)) == expected
 
 
 def test_text_files_split_is_fixed_and_disjoint(tmp_path):
