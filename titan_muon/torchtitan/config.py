@@ -77,8 +77,9 @@ class Optimizer:
     commit: Literal["auto", "atomic", "streaming"] = "auto"
     """"streaming": each round's weights are written as its updates return, so no rank holds every
     update at once; with fp32 momentum on the shards (no overlap, no DeMo) and one model part per
-    rank (pipeline stages included: their reservation rides the verdict over the pipeline) every buffer of the step is reserved before its first agreement, so running out of memory
-    stops every rank before anything is written; another error after the first write leaves the
+    rank (pipeline stages included: their reservation rides the verdict over the pipeline) every
+    buffer of the step is reserved before its first agreement, so running out of memory stops
+    every rank before anything is written; another error after the first write leaves the
     weights partially updated and the optimizer refuses to step until a checkpoint is loaded.
     "atomic": nothing is written until every rank has succeeded (any error leaves weights and
     state unchanged), at the cost of holding every update. "auto": streaming where the step's
