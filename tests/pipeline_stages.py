@@ -27,9 +27,8 @@ SETTINGS = dict(lr=0.02, weight_decay=0.1, momentum=0.9, exchange_memory_mb=0.01
 STEPS, DP = 3, 2
 
 
-def stage_run(rank, world, with_pipeline_group=False):
-    """PP 2 x FSDP 2, STEPS steps; ``with_pipeline_group``: the stages agree over the pipeline
-    (as titan_muon's torchtitan containers set it up), and each step still streams, reserved."""
+def _stage():
+    """This rank's mesh, stage, whole parameters, FSDP-sharded parameters and Muon/AdamW groups."""
     mesh = init_device_mesh("cpu", (2, DP), mesh_dim_names=("pp", "dp"))
     stage = mesh.get_coordinate()[0]
     full = make_params(stage, STAGE_SHAPES[stage])
@@ -41,6 +40,13 @@ def stage_run(rank, world, with_pipeline_group=False):
         {"params": [(n, p) for n, p in named.items() if n in MUON]},
         {"params": [(n, p) for n, p in named.items() if n not in MUON], "use_muon": False},
     ]
+    return mesh, stage, full, named, groups
+
+
+def stage_run(rank, world, with_pipeline_group=False):
+    """PP 2 x FSDP 2, STEPS steps; ``with_pipeline_group``: the stages agree over the pipeline
+    (as titan_muon's torchtitan containers set it up), and each step still streams, reserved."""
+    mesh, stage, full, named, groups = _stage()
     optimizer = Muon(groups, **SETTINGS, **({"pipeline_group": mesh["pp"].get_group()} if with_pipeline_group else {}))
     for step in range(STEPS):
         for name, grad in grads_for(step, full).items():
@@ -59,17 +65,7 @@ def stage_skip_run(rank, world, policy, join_later=False):
     passed, both stages skip (or both raise): a stage must not step while another skips.
     ``join_later``: the group is given after construction (``set_pipeline_group``), as
     torchtitan 0.3.0's container does."""
-    mesh = init_device_mesh("cpu", (2, DP), mesh_dim_names=("pp", "dp"))
-    stage = mesh.get_coordinate()[0]
-    full = make_params(stage, STAGE_SHAPES[stage])
-    module = nn.Module()
-    for name, tensor in full.items():
-        module.register_parameter(name, nn.Parameter(distribute_tensor(tensor, mesh["dp"], [Shard(0)])))
-    named = dict(module.named_parameters())
-    groups = [
-        {"params": [(n, p) for n, p in named.items() if n in MUON]},
-        {"params": [(n, p) for n, p in named.items() if n not in MUON], "use_muon": False},
-    ]
+    mesh, stage, full, named, groups = _stage()
     if join_later:
         optimizer = Muon(groups, nonfinite_grads=policy, **SETTINGS)
         optimizer.set_pipeline_group(mesh["pp"].get_group())
@@ -115,17 +111,7 @@ def stage_reservation_failure_run(rank, world, failing_rank):
     (keep_reservation=False, as on a GPU); at step 1 `failing_rank` cannot reserve."""
     from titan_muon.exchange import reservation
 
-    mesh = init_device_mesh("cpu", (2, DP), mesh_dim_names=("pp", "dp"))
-    stage = mesh.get_coordinate()[0]
-    full = make_params(stage, STAGE_SHAPES[stage])
-    module = nn.Module()
-    for name, tensor in full.items():
-        module.register_parameter(name, nn.Parameter(distribute_tensor(tensor, mesh["dp"], [Shard(0)])))
-    named = dict(module.named_parameters())
-    groups = [
-        {"params": [(n, p) for n, p in named.items() if n in MUON]},
-        {"params": [(n, p) for n, p in named.items() if n not in MUON], "use_muon": False},
-    ]
+    mesh, stage, full, named, groups = _stage()
     optimizer = Muon(groups, pipeline_group=mesh["pp"].get_group(), keep_reservation=False, **SETTINGS)
     outcome = "stepped"
     for step in range(2):
