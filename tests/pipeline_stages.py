@@ -106,16 +106,20 @@ class _ReservationFailsOnce:
         return empty
 
 
-def stage_reservation_failure_run(rank, world, failing_rank):
+def stage_reservation_failure_run(rank, world, failing_rank, nan_stage=None):
     """PP 2 x FSDP 2 with the pipeline group, streaming (commit="auto"), reserved anew each step
-    (keep_reservation=False, as on a GPU); at step 1 `failing_rank` cannot reserve."""
+    (keep_reservation=False, as on a GPU); at step 1 `failing_rank` cannot reserve, and with
+    `nan_stage` that stage's "c" or "a" has a NaN gradient (nonfinite_grads="skip")."""
     from titan_muon.exchange import reservation
 
     mesh, stage, full, named, groups = _stage()
-    optimizer = Muon(groups, pipeline_group=mesh["pp"].get_group(), keep_reservation=False, **SETTINGS)
+    optimizer = Muon(groups, pipeline_group=mesh["pp"].get_group(), keep_reservation=False, nonfinite_grads="skip", **SETTINGS)
     outcome = "stepped"
     for step in range(2):
-        for name, grad in grads_for(step, full).items():
+        grads = grads_for(step, full)
+        if step == 1 and stage == nan_stage:
+            grads["c" if stage == 1 else "a"][0, 0] = float("nan")
+        for name, grad in grads.items():
             named[name].grad = distribute_tensor(grad, mesh["dp"], [Shard(0)])
         before = ({n: p.to_local().clone() for n, p in named.items()},
                   {(n, k): v.to_local().clone() for n, p in named.items() for k, v in optimizer.state[p].items() if v.ndim > 0})  # fmt: skip
@@ -132,4 +136,5 @@ def stage_reservation_failure_run(rank, world, failing_rank):
              {(n, k): v.to_local().clone() for n, p in named.items() for k, v in optimizer.state[p].items() if v.ndim > 0})  # fmt: skip
     unchanged = before[0].keys() == after[0].keys() and all(torch.equal(before[0][n], after[0][n]) for n in before[0]) and \
         before[1].keys() == after[1].keys() and all(torch.equal(before[1][k], after[1][k]) for k in before[1])  # fmt: skip
-    return {"stage": stage, "outcome": outcome, "unchanged": unchanged, "commit_plan": optimizer.commit_plan}
+    return {"stage": stage, "outcome": outcome, "unchanged": unchanged, "commit_plan": optimizer.commit_plan,
+            "skipped": optimizer.skipped_steps}

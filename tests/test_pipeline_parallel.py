@@ -132,6 +132,15 @@ def test_a_reservation_that_fails_in_one_stage_raises_in_every_stage_before_anyt
         assert "nothing was changed" in result["outcome"]
 
 
+@pytest.mark.parametrize("nan_stage", [0, 1])
+def test_a_skipped_step_outranks_a_failed_reservation_across_stages(nan_stage):
+    """Rank 1 (stage 0) cannot reserve while stage `nan_stage` has a NaN gradient, with
+    nonfinite_grads="skip": the pipeline's MAX carries NONFINITE over UNRESERVED, so every rank of
+    both stages skips the step (nothing is written either way) instead of some raising."""
+    for rank, result in enumerate(run_distributed(stage_reservation_failure_run, 2 * DP, 1, nan_stage)):
+        assert result["outcome"] == "stepped" and result["skipped"] == 1 and result["unchanged"], (rank, result["outcome"])
+
+
 # ------------------------------------------------------- torchtitan runs
 
 CONFIG = "train_configs/llama3_gqa_muon.toml"
