@@ -161,9 +161,7 @@ class MatrixStep:
         workspace = self.newton_schulz.workspace_bytes(key, 1, spare=not reuse)
         self.memory.add(workspace)
         self.newton_schulz(key, matrices, self.timer, self.work, out=blocks, buffers=buffers, spare=matrices.view(dtype) if reuse else None)
-        if self.work.update_sq is not None:  # the norm over the blocks as they lie in the return buffer: adjacent ones as one run
-            views = sorted((view for unit_blocks in blocks for _, _, view in unit_blocks), key=Tensor.storage_offset)
-            self.newton_schulz.add_update_norm(key[1], [run for (run,) in coalesce([(view,) for view in views])], self.work, buffers)
+        self.newton_schulz.add_update_norm(key[1], [view for unit_blocks in blocks for _, _, view in unit_blocks], self.work, buffers)
         self.memory.free(workspace)
 
     def _into_results(self, batch: Batch, matrices: Tensor, results: dict[int, Tensor], buffers: Buffers) -> int:

@@ -337,11 +337,15 @@ def _times_x(poly: Tensor, x: Tensor, a: float, alpha: float, out: Tensor) -> Te
     """out = alpha·(a·X + poly·X), X = _short_side_first(x), written in x's own orientation: for a
     tall x, the transpose a·Xᵀ + Xᵀ·polyᵀ, so every iterate stays contiguous as the input is.
     a = 0: alpha·poly·X alone (Gram NS's Q X; `out`'s old contents are not read)."""
-    tall = x.size(-2) > x.size(-1)
-    left, right = (x, poly.mT) if tall else (poly, x)
+    left, right = _factors(poly, x)
     if a == 0.0:
         return _addmm(out, left, right, 0.0, alpha, out)
     return _addmm(x, left, right, a * alpha, alpha, out)
+
+
+def _factors(poly: Tensor, x: Tensor) -> tuple[Tensor, Tensor]:
+    """poly·X's factors in x's own orientation: (x, polyᵀ) for a tall x, else (poly, x)."""
+    return (x, poly.mT) if x.size(-2) > x.size(-1) else (poly, x)
 
 
 # A matrix's result given as rectangles of it: ((row start, row end), (column start, column end),
@@ -377,8 +381,7 @@ class Pieces(NamedTuple):
 def _times_x_into(blocks: Blocks, poly: Tensor, x: Tensor, a: float, alpha: float) -> None:
     """_times_x written rectangle by rectangle into `blocks` (one 2-D x): each rectangle is its
     rows of the left factor times its columns of the right one, a GEMM of its own."""
-    tall = x.size(-2) > x.size(-1)
-    left, right = (x, poly.mT) if tall else (poly, x)
+    left, right = _factors(poly, x)
     for (r0, r1), (c0, c1), target in blocks:
         bias = x[r0:r1, c0:c1] if a != 0.0 else target
         torch.addmm(bias, left[r0:r1], right[:, c0:c1], beta=a * alpha, alpha=alpha, out=target)

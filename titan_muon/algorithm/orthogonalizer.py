@@ -17,7 +17,7 @@ from titan_muon.algorithm.newton_schulz import (
     orthogonalize,
     workspace_bytes,
 )
-from titan_muon.algorithm.update import commit_scale, update_scale
+from titan_muon.algorithm.update import coalesce, commit_scale, update_scale
 from titan_muon.buffers import Buffers, FreshBuffers, cut_bytes
 from titan_muon.timing import StepTimer, phase
 
@@ -126,22 +126,26 @@ class Orthogonalizer:
                 scaled, count = run(matrices, out, spare), 1 if matrices.ndim == 2 else matrices.shape[0]
         timer.stop("ns")
         work.ns_flops += count * newton_schulz_flops(*shape, steps, algorithm, dtype, device.type)
-        if isinstance(scaled, Tensor) and work.update_sq is not None:
+        if isinstance(scaled, Tensor):
             self.add_update_norm(group_index, [scaled], work, buffers)
         work.update_numel += count * shape[0] * shape[1]
         return scaled
 
     def add_update_norm(self, group_index: int, parts: list[Tensor], work, buffers: Buffers) -> None:
         """work.update_sq += ‖lr·U‖² over `parts`, results of group `group_index` as returned (the
-        sum of squares behind muon/update_rms), through one fp32 scalar from `buffers`. Not called
-        for a step that does not measure it (work.update_sq None: Muon.measure_update_rms)."""
+        sum of squares behind muon/update_rms), through one fp32 scalar from `buffers`; parts that
+        continue each other in memory (a return buffer's adjacent pieces) as one run. Nothing for a
+        step that does not measure it (work.update_sq None: Muon.measure_update_rms)."""
+        if work.update_sq is None:
+            return
+        runs = [run for (run,) in coalesce([(part,) for part in sorted(parts, key=Tensor.storage_offset)])]
         group = self.param_groups()[group_index]
         lr = group["lr"].reshape(()) if isinstance(group["lr"], Tensor) else group["lr"]  # a one-element tensor lr
         factor = (lr / commit_scale(group["weight_decay"])) ** 2
         with phase("update_norm"):
             mark = buffers.mark()
             norm = buffers.take((), torch.float32)
-            for part in parts:
-                torch.linalg.vector_norm(part, dtype=torch.float32, out=norm)
+            for run in runs:
+                torch.linalg.vector_norm(run, dtype=torch.float32, out=norm)
                 work.update_sq.add_(norm.square_().mul_(factor))
             buffers.release(mark)
