@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from model_presets import PRESETS, Model, qwen3_moe
 from replay import Hardware, RankResult, replay
 from step_trace import Collective, Parallelism, Trace, bytes_per_muon_element, trace_rank
+from titan_muon.algorithm.newton_schulz import newton_schulz_flops  # noqa: E402
 from titan_muon.settings import DEFAULT_EXCHANGE_MEMORY_MB  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -73,6 +74,13 @@ class Case:
     tp: int = 1  # tensor parallel, innermost (within a node)
     pp: int = 1  # pipeline stages: only one stage's ranks are traced, the busiest unless `only_stage`
     only_stage: int | None = None
+    exchange_memory_mb: int | None = None  # None: the default window
+
+    @property
+    def settings(self) -> dict:
+        """The Muon settings traced: a CUDA run's defaults, and this case's window if it sets one."""
+        window = {} if self.exchange_memory_mb is None else {"exchange_memory_mb": self.exchange_memory_mb}
+        return {**CUDA_DEFAULTS, **window}
 
     @property
     def parallelism(self) -> Parallelism:
@@ -95,9 +103,11 @@ class Case:
     @property
     def layout(self) -> str:
         name = self.parallelism.name
-        return f"{name}, stage {self.stage} traced" if self.pp > 1 else name
+        name = f"{name}, stage {self.stage} traced" if self.pp > 1 else name
+        return name if self.exchange_memory_mb is None else f"{name}, exchange_memory_mb = {self.exchange_memory_mb}"
 
 
+KIMI_WIDE_WINDOW_MB = 8192
 QUICK = [Case("Llama-3 8B", 8)]
 DEFAULT = [
     Case("Llama-3 8B", 8),
@@ -108,6 +118,9 @@ DEFAULT = [
     Case("Qwen3-30B-A3B", 8, hardware="GB300", ep=8),
     Case("Kimi-K2 1T", 256, hardware="GB300 (64/rack)", ep=64, pp=4),
     Case("Kimi-K2 1T", 256, hardware="GB300 (64/rack)", ep=64, pp=4, only_stage=0),  # never hidden (pipeline_exposed_s)
+    # A wider window shortens the dense layer's round on stage 0 (calibration says how)
+    Case("Kimi-K2 1T", 256, hardware="GB300 (64/rack)", ep=64, pp=4, exchange_memory_mb=KIMI_WIDE_WINDOW_MB),
+    Case("Kimi-K2 1T", 256, hardware="GB300 (64/rack)", ep=64, pp=4, only_stage=0, exchange_memory_mb=KIMI_WIDE_WINDOW_MB),
 ]
 LARGE = [Case("Llama-3 70B", 256), Case("Llama-3 405B", 128)]
 HARDWARE = {"H100": H100, "GB300": GB300, "GB300 (64/rack)": GB300_RACKS_OF_64}
@@ -159,7 +172,7 @@ def _trace(job) -> Trace:
     muon, adamw = stage_params(models()[case.model], parallelism.pp, parallelism.stage_of(rank))
     if not muon_in_muon:
         muon, adamw = [], adamw + muon
-    return trace_rank(rank, case.world, muon, adamw, parallelism=parallelism, **CUDA_DEFAULTS)
+    return trace_rank(rank, case.world, muon, adamw, parallelism=parallelism, **case.settings)
 
 
 def trace_all(case: Case, workers: int, muon: bool = True) -> list[Trace]:
@@ -282,8 +295,6 @@ def mib(n: float) -> str:
 
 def ns_flops_of(params: Sequence[tuple[str, tuple[int, ...]]]) -> float:
     """Newton–Schulz FLOPs of one step over these (name, shape) Muon parameters (5 standard steps)."""
-    from titan_muon.algorithm.newton_schulz import newton_schulz_flops
-
     total = 0
     for _, shape in params:
         matrices, rows, cols = (1, *shape) if len(shape) == 2 else shape
@@ -336,6 +347,23 @@ def pipeline_exposed_s(steps: dict[int, float], forward_s: Sequence[float], stag
     return max(exposed)
 
 
+KIMI_DENSE_MLP = (18432, 7168)  # Kimi K2's first layer is dense: w1 and w3 are 18432 x 7168, w2 its transpose
+KIMI_EXPERT = (2048, 7168)
+
+
+def kimi_like_for_like(rows: Sequence[Row], forward: Sequence[float], window: int | None) -> tuple[dict[int, Row], Row | None, dict]:
+    """Kimi K2's rows at one exchange window (None: the default), keyed by stage; the busiest
+    stage's row; and what the job waits for after the steps (pipeline_exposed_s), for Muon and
+    for AdamW-only steps. (…, None, {}) when the window's busiest stage or stage 0 is missing."""
+    stages = {r.case.stage: r for r in rows if r.case.model == "Kimi-K2 1T" and r.case.exchange_memory_mb == window}
+    busiest = next((r for r in stages.values() if r.case.only_stage is None), None)
+    if busiest is None or 0 not in stages:
+        return stages, None, {}
+    exposed = {name: pipeline_exposed_s({s: getattr(r, name) for s, r in stages.items()}, forward, 4, busiest.case.stage)
+               for name in ("step_s", "adamw_s")}  # fmt: skip
+    return stages, busiest, exposed
+
+
 def calibration(rows: Sequence[Row]) -> list[str]:
     lines = [
         "| setting | published | model | model / published | why they differ |",
@@ -356,20 +384,34 @@ def calibration(rows: Sequence[Row]) -> list[str]:
             "Megatron runs NS layer-wise on its distributed optimizer's owners with the same per-GPU NS FLOPs; its "
             "figure also holds kernel efficiency, clocks and whatever part of its step it overlaps |"
         )
-    kimi_rows = {r.case.stage: r for r in rows if r.case.model == "Kimi-K2 1T"}
-    kimi = next((r for r in rows if r.case.model == "Kimi-K2 1T" and r.case.only_stage is None), None)
     model = models()["Kimi-K2 1T"]
     ns_total = ns_flops_of(model.params)
     published = megatron_extra_s(ns_total, 256, 1080, 1029, 1051)
     setting = "| Kimi K2, 256 GB300, PP4 DP64 EP64 (NVIDIA Megatron Core): Muon's extra time per step over AdamW | "
-    if kimi is None or 0 not in kimi_rows:
+    forward = [stage_forward_s(model, 4, s, KIMI_MICROBATCH_TOKENS, KIMI_MODEL_FLOPS_PER_GPU) for s in range(4)]
+    kimi_rows, kimi, exposed = kimi_like_for_like(rows, forward, None)
+    if kimi is None:
         lines.append(setting + f"{ms(published)} ms (same derivation) | not in this run | — | — |")
         return lines
-    forward = [stage_forward_s(model, 4, s, KIMI_MICROBATCH_TOKENS, KIMI_MODEL_FLOPS_PER_GPU) for s in range(4)]
-    exposed = {name: pipeline_exposed_s({s: getattr(r, name) for s, r in kimi_rows.items()}, forward, 4, kimi.case.stage)
-               for name in ("step_s", "adamw_s")}  # fmt: skip
     modelled = exposed["step_s"] - exposed["adamw_s"]
     whole = kimi.step_s - kimi.adamw_s
+    wide_rows, wide, wide_exposed = kimi_like_for_like(rows, forward, KIMI_WIDE_WINDOW_MB)
+    window = ""
+    if wide is not None:
+        wide_modelled = wide_exposed["step_s"] - wide_exposed["adamw_s"]
+        dense = newton_schulz_flops(*KIMI_DENSE_MLP, 5) / newton_schulz_flops(*KIMI_EXPERT, 5)
+        window = (
+            f" Why stage 0 takes longer than its NS and passes need: it holds the dense first layer, and the round with its "
+            f"MLP matrices ({KIMI_DENSE_MLP[0]:,} × {KIMI_DENSE_MLP[1]:,}, {dense:.0f} experts' standard NS FLOPs each) gives each of them "
+            "to one owner, while the window lets every other owner take only a few experts in that round; they then wait for "
+            "it at the round's return, two rounds later. With `exchange_memory_mb = "
+            f"{KIMI_WIDE_WINDOW_MB}` (rows above) rounds hold more experts: stage 0 {ms(wide_rows[0].step_s)} ms, stage "
+            f"{wide.case.stage} {ms(wide.step_s)} ms, like for like {ms(wide_modelled)} ms, **{wide_modelled / published:.2f}**, "
+            f"at {mib(wide_rows[0].peak_transient_bytes)} / {mib(wide.peak_transient_bytes)} MiB of peak transient memory "
+            f"instead of {mib(kimi_rows[0].peak_transient_bytes)} / {mib(kimi.peak_transient_bytes)}. Balancing each owner's "
+            "total over the step instead (owners of the large matrices taking fewer experts in other rounds) was tried and "
+            "replayed slower: the freed time comes before the dense round's matrices arrive, so it is spent waiting."
+        )
     stage0 = kimi_rows[0]
     ns, compute = stage0.busiest("newton_schulz_s"), stage0.busiest("compute_s")
     stage0_ns = ns_flops_of(stage_params(model, 4, 0)[0]) / 64  # per GPU: standard 5-step NS, as NVIDIA counts it
@@ -389,7 +431,7 @@ def calibration(rows: Sequence[Row]) -> list[str]:
         "dense bf16 peak) and nothing else: Megatron does fewer NS FLOPs than it counts (its SYRK kernels compute the "
         "symmetric products at half cost), hides more, or the 2 % gap between 1,029 and 1,051 TFLOP/s is partly noise "
         f"(0.5 % of either moves the implied time by about 25 %). The other {ms(compute - ns)} ms of stage 0's compute are "
-        "memory-bound elementwise passes, as for Qwen3 |"
+        "memory-bound elementwise passes, as for Qwen3." + window + " |"
     )
     eight_b = next((r for r in rows if r.case.model == "Llama-3 8B" and r.case.world == 8), None)
     dion_rate = 642e6 / 15.9e-3
@@ -666,16 +708,24 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--output", type=Path, default=ROOT / "docs" / "scale.md")
     parser.add_argument("--launch-us", type=float, help="host time per kernel launch in µs for every hardware (a sensitivity run: "
                         "writes nothing; scripts/calibrate_replay.py measures it from a GPU run)")  # fmt: skip
+    parser.add_argument("--exchange-memory-mb", type=int, help="trace every case at this window (a sensitivity run: writes nothing)")
+    parser.add_argument("--model", help="only the cases of this model (writes nothing)")
     args = parser.parse_args(argv)
+    if args.exchange_memory_mb is not None:
+        CUDA_DEFAULTS["exchange_memory_mb"] = args.exchange_memory_mb
     if args.launch_us is not None:
         HARDWARE.update({name: replace(hardware, launch_s=args.launch_us * 1e-6) for name, hardware in HARDWARE.items()})
     cases = QUICK if args.quick else DEFAULT + (LARGE if args.large else [])
+    if args.model is not None:
+        cases = [c for c in cases if c.model == args.model and (args.exchange_memory_mb is None or c.exchange_memory_mb is None)]
+        if not cases:
+            parser.error(f"no case of model {args.model!r}; the models are {sorted({c.model for c in DEFAULT + LARGE})}")
     start = time.perf_counter()
     rows = []
     for case in cases:
         row = simulate(case, args.workers)
         rows.append(row)
-    if args.quick or args.launch_us is not None:
+    if args.quick or args.launch_us is not None or args.exchange_memory_mb is not None or args.model is not None:
         return
     command = "python scripts/simulate_scale.py" + (" --large" if args.large else "")
     args.output.write_text(render(rows, command, time.perf_counter() - start))

@@ -357,6 +357,28 @@ def test_pipeline_stages_hide_their_steps_behind_the_forwards_ahead_of_them():
     assert simulate_scale.stage_forward_s(toy, 1, 0, tokens=100, flops_per_gpu=1e6) == pytest.approx(2 * (32 + 8 * 32) * 100 / 1e6)
 
 
+def test_kimi_rows_compare_like_for_like_within_one_exchange_window():
+    """The calibration's Kimi K2 figure at the default window and at the wide one: each from its
+    own window's stage 0 and busiest stage, never mixing them; a window without stage 0 gives none."""
+    import simulate_scale
+
+    def row(stage, window, step, adamw):
+        case = simulate_scale.Case("Kimi-K2 1T", 256, ep=64, pp=4, only_stage=0 if stage == 0 else None, exchange_memory_mb=window)
+        finish = lambda s: {0: SimpleNamespace(finish_s=s)}  # noqa: E731
+        return simulate_scale.Row(case, finish(step), {}, finish(adamw), [], 0.0)
+
+    forward = [0.060, 0.064, 0.064, 0.060]
+    rows = [row(1, None, 0.140, 0.030), row(0, None, 0.127, 0.021), row(1, 8192, 0.139, 0.030), row(0, 8192, 0.122, 0.021)]
+    stages, busiest, exposed = simulate_scale.kimi_like_for_like(rows, forward, None)
+    assert busiest is rows[0] and stages[0] is rows[1] and exposed["step_s"] == pytest.approx(0.127)
+    stages, busiest, exposed = simulate_scale.kimi_like_for_like(rows, forward, 8192)
+    assert busiest is rows[2] and stages[0] is rows[3] and exposed == {"step_s": pytest.approx(0.122), "adamw_s": pytest.approx(0.021)}
+    assert simulate_scale.kimi_like_for_like(rows[:1], forward, None)[1] is None
+    wide = rows[3].case
+    assert wide.settings["exchange_memory_mb"] == 8192 and wide.layout.endswith("stage 0 traced, exchange_memory_mb = 8192")
+    assert "exchange_memory_mb" not in rows[1].case.settings
+
+
 def test_gather_everything_floor_is_the_groups_whole_newton_schulz():
     """DMuon's calibration row: gather-everything Muon runs every matrix's NS on every rank, so its step
     is at least the sum of the owners' NS; the owner step is compared against that floor."""

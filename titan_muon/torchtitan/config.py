@@ -49,8 +49,9 @@ class Optimizer:
     exchange_memory_mb: float | None = None
     """Per-GPU MiB for the exchange buffers of the rounds in flight (pieces, whole matrices on
     their owners, Newton-Schulz workspace, return buffers); unset: 2048 (replayed as fast as 8192 on
-    the dense and MoE layouts of docs/scale.md at less memory). A round always holds at least one
-    matrix per owner."""
+    Llama-3 and Qwen3-30B-A3B at less memory; a model with a few matrices far costlier than the
+    rest, as Kimi K2's dense first layer among its experts, gains ~4 % at 8192: docs/performance.md).
+    A round always holds at least one matrix per owner."""
     rounds_in_flight: int = 2
     """Owner-balanced rounds whose outbound all-to-all runs ahead of the owners' Newton-Schulz."""
     bucket_size_mb: float | None = None
