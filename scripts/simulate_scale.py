@@ -500,7 +500,7 @@ def table(rows: Sequence[Row]) -> list[str]:
     lines = [
         ("| model | layout | W | GPU | step ms | ideal ms | step / ideal | bound ms | step / bound | NS ms | NS busiest / mean | compute ms "
          "| wire ms | host ms | one communicator ms | AdamW-only step ms | MiB sent per rank "
-         "| peak transient MiB per rank | bytes per Muon element: shard / owner / commit = total (inside NS) | rounds | kernels per rank | host reads |"),
+         "| peak transient MiB per rank | bytes per Muon element: check / shard / owner / commit = total (inside NS) | rounds | kernels per rank | host reads |"),
         "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
@@ -519,7 +519,8 @@ def table(rows: Sequence[Row]) -> list[str]:
 def _per_element(sides: dict | None) -> str:
     if not sides:
         return "–"
-    return f"{sides['shard']:.0f} / {sides['owner']:.0f} / {sides['commit']:.0f} = {sides['total']:.0f} (NS phase {sides['newton_schulz']:.0f})"
+    return (f"{sides['check']:.0f} / {sides['shard']:.0f} / {sides['owner']:.0f} / {sides['commit']:.0f} = {sides['total']:.0f} "
+            f"(NS phase {sides['newton_schulz']:.0f})")
 
 
 def _cpu_name() -> str:

@@ -85,6 +85,7 @@ class Trace:
     collectives: int = 0
     metrics: dict = field(default_factory=dict)  # the optimizer's last_step_metrics for the traced step
     muon_elements: int = 0  # elements of the Muon parameters' blocks this rank holds
+    gradient_elements: int = 0  # elements of every parameter's block this rank holds (Muon's and AdamW's)
 
     def add_collective(self, collective: Collective) -> int:
         self.events.append(collective)
@@ -187,12 +188,13 @@ def _writes(func, args, kwargs, out) -> int:
 # (normalization, casts, the symmetric products' assembly). Kernels with FLOPs — the matrix
 # products — are not counted: they are the work itself.
 STEP_SIDES = {
+    "check": ("check_gradients",),  # the non-finite check reads every gradient once (Muon's share counted)
     "shard": ("pack",),  # momentum and Nesterov input, written into the send buffer
     "owner": ("assemble", "owner_momentum", "demo", "update_norm", "disassemble"),  # arrivals to NS, the update's norm, NS's result to the return buffer
     "commit": ("unpack", "stage_commit", "commit", "commit_round"),  # momentum, weight decay and the update
     "newton_schulz": ("newton_schulz",),  # inside NS, beside its matrix products
 }
-BEYOND_NS = ("shard", "owner", "commit")
+BEYOND_NS = ("check", "shard", "owner", "commit")
 
 
 def bytes_per_muon_element(traces: list[Trace]) -> dict[str, float]:
@@ -200,12 +202,14 @@ def bytes_per_muon_element(traces: list[Trace]) -> dict[str, float]:
     (``STEP_SIDES``), and "total" over the sides beyond the NS phase, over the traced ranks
     together (owners' work and shards balance across ranks, not on each one)."""
     elements = sum(t.muon_elements for t in traces)
-    sides = {side: 0 for side in STEP_SIDES}
+    sides = {side: 0.0 for side in STEP_SIDES}
     for trace in traces:
         for event in trace.events:
             if isinstance(event, Kernel) and event.flops == 0:
                 side = next((name for name, phases in STEP_SIDES.items() if event.phase in phases), None)
-                if side is not None:
+                if side == "check":  # one pass over all gradients, read alike: the Muon gradients' share
+                    sides[side] += event.bytes * trace.muon_elements / max(trace.gradient_elements, 1)
+                elif side is not None:
                     sides[side] += event.bytes
     per_element = {side: moved / max(elements, 1) for side, moved in sides.items()}
     return {**per_element, "total": sum(per_element[side] for side in BEYOND_NS)}
@@ -412,5 +416,6 @@ def trace_rank(rank: int, world: int, muon: list, adamw: list, shard_group: int 
                 optimizer.zero_grad()
             recorder.trace = Trace(rank)  # reading the metrics is the logging step's sync, not the step's
             trace.muon_elements = sum(p.to_local().numel() for p in groups[0]["params"])
+            trace.gradient_elements = sum(p.to_local().numel() for p in params)
             trace.metrics = {k: float(v) for k, v in optimizer.last_step_metrics.items() if isinstance(v, (int, float))}
         return trace

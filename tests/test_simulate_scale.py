@@ -195,6 +195,20 @@ def test_traced_bytes_and_flops_are_the_steps(traces):
     assert ns == sum(newton_schulz_flops(*s, 5) for s in SHAPES)
 
 
+def test_the_gradient_check_counts_its_muon_share(traces):
+    """The non-finite check reads every gradient once, AdamW's too (fp32 here): its bytes per Muon
+    element are the Muon gradients' 4 bytes, counted in the total beyond NS. Beside that one pass it
+    handles a few per-parameter scalars (norms, flags, the agreement's vector; < 128 bytes per parameter in all), which only
+    on shapes this small show up."""
+    from step_trace import bytes_per_muon_element
+
+    sides = bytes_per_muon_element(traces)
+    scalars = max(128 * (len(SHAPES) + 2) / t.gradient_elements for t in traces)
+    assert 4.0 <= sides["check"] <= 4.0 + scalars
+    assert sides["total"] == pytest.approx(sides["check"] + sides["shard"] + sides["owner"] + sides["commit"])
+    assert all(t.gradient_elements > t.muon_elements for t in traces)
+
+
 def test_hierarchical_traces_match_and_replay():
     """Hierarchical exchange (2 nodes of 2): every all-to-all runs over a node or a rail of 2 ranks,
     on a node and a rail communicator per lane; the bytes match between ranks and the step's
