@@ -643,7 +643,8 @@ FINDINGS = """## What the replay shows
   Nesterov input, fp32 round trips around NS, a separate scale, the commit's passes: 98 bytes per
   Muon element). With the passes compiled (one kernel each), arrivals fed to NS in their wire dtype
   and NS's result scaled in its own dtype (42 bytes per element beyond NS; 34 with the streaming
-  step, which writes fp32 momentum while packing), and NS as the H100
+  step, which writes fp32 momentum while packing; 4 more for the non-finite check's read of every
+  gradient, which the table counts since 2026-11-28), and NS as the H100
   measured it fastest (standard bf16 on Qwen3's 768 × 2048 experts, fp16 Gram on Kimi K2's 2048 ×
   7168 ones), Qwen3's busiest rank computes 73.0 ms: 47.9 ms of NS and 25.1 ms of other work.
   Kimi K2's busiest stage: 113.3 ms of NS, 32.5 ms of other work. **Launches**: an EP rank holds
