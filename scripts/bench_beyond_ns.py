@@ -197,7 +197,7 @@ def main():
         *lines,
         "",
         "\"around NS\": the profiled step minus its `newton_schulz` and `wait` phases (\"a step not logged\": with "
-        "`measure_update_rms = False`, no `update_norm`); \"beyond the NS products\": that "
+        "`measure_update_rms = False`: the commit's pass sums no squares); \"beyond the NS products\": that "
         "plus the NS phase's operations other than matrix products (both on the rank where they are largest); \"beyond "
         f"the NS iterations\": unprofiled steps at ns_steps = {EXTRAPOLATED_FROM[0]} and {EXTRAPOLATED_FROM[1]} extrapolated "
         "to none (it includes Gram NS's first and last products, which do not grow with ns_steps).",

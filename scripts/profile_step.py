@@ -34,7 +34,7 @@ from bench_optimizer import ROOT, run_on_ranks, write_section  # noqa: E402
 from bench_training import FLAVORS, MALLOC_SETTINGS, beyond_ns, build, optimizer_for, use_malloc  # noqa: E402
 
 PHASES = (
-    "reserve", "check_gradients", "pack", "wait", "assemble", "owner_momentum", "newton_schulz", "update_norm",
+    "reserve", "check_gradients", "pack", "wait", "assemble", "owner_momentum", "newton_schulz",
     "disassemble", "unpack", "commit_round", "stage_commit", "agree_on_success", "commit", "adamw",
 )  # fmt: skip
 COLLECTIVE_LAUNCHES = ("c10d::alltoall_base_",)  # the all-reduces run inside two of the phases

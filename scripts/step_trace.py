@@ -190,7 +190,7 @@ def _writes(func, args, kwargs, out) -> int:
 STEP_SIDES = {
     "check": ("check_gradients",),  # the non-finite check reads every gradient once (Muon's share counted)
     "shard": ("pack",),  # momentum and Nesterov input, written into the send buffer
-    "owner": ("assemble", "owner_momentum", "demo", "update_norm", "disassemble"),  # arrivals to NS, the update's norm, NS's result to the return buffer
+    "owner": ("assemble", "owner_momentum", "demo", "disassemble"),  # arrivals to NS, NS's result to the return buffer
     "commit": ("unpack", "stage_commit", "commit", "commit_round"),  # momentum, weight decay and the update
     "newton_schulz": ("newton_schulz",),  # inside NS, beside its matrix products
 }

@@ -379,7 +379,7 @@ def test_compiled_elementwise_passes_equal_the_eager_ones():
     the decay-and-step differs by at most one rounding of its operands' magnitude:
     |Δ| ≤ 2·eps32·(|g| + |M|) (lerp), 2·eps32·(|W| + lr·|U|) (step, lr·|U| = lr·wd·|R|). A bf16 output may then round
     to the neighbouring bf16 value: one bf16 ulp, eps_bf16·|value|, on top."""
-    from titan_muon.algorithm.update import Elementwise
+    from titan_muon.algorithm.update import Elementwise, commit_scale
 
     eager, compiled = Elementwise(compiled=False), Elementwise(compiled=True)
     gen = torch.Generator().manual_seed(5)
@@ -406,10 +406,25 @@ def test_compiled_elementwise_passes_equal_the_eager_ones():
         # foreach lerp for an fp32 R; lr·|U| = lr·wd·|R|.
         weights = torch.randn(shape, generator=gen)
         for returned in (torch.randn(shape, generator=gen).bfloat16(), torch.randn(shape, generator=gen)):
-            w_a, w_b = weights.clone(), weights.clone()
-            eager.decay_and_step_([w_a], [returned], lr=0.02, weight_decay=0.1)
-            compiled.decay_and_step_([w_b], [returned], lr=0.02, weight_decay=0.1)
-            assert ((w_a - w_b).abs() <= 2 * eps32 * (weights.abs() + 0.002 * returned.float().abs())).all()
+            for weight_decay in (0.1, 0.0):  # folded into one lerp, or a decay and a step
+                w_a, w_b, w_c = weights.clone(), weights.clone(), weights.clone()
+                eager.decay_and_step_([w_a], [returned], lr=0.02, weight_decay=weight_decay)
+                compiled.decay_and_step_([w_b], [returned], lr=0.02, weight_decay=weight_decay)
+                step = 0.02 * returned.float().abs() * (weight_decay or 1.0)  # lr·|U|: |U| = wd·|R| where folded, |R| else
+                assert ((w_a - w_b).abs() <= 2 * eps32 * (weights.abs() + step)).all()
+                # measuring muon/update_rms in the same pass writes the same weights, and its sum of
+                # squares ‖lr·U‖² agrees with an fp64 one to fp32 summation: n·eps32 relative
+                # (a sequential sum's bound; either order is within it) plus the norm's own rounding.
+                sums = []
+                for passes, target in ((eager, w_a), (compiled, w_c)):
+                    update_sq, scratch = torch.zeros(()), torch.zeros(())
+                    target.copy_(weights)
+                    passes.decay_and_step_([target], [returned], 0.02, weight_decay, update_sq, scratch)
+                    sums.append(update_sq.item())
+                assert torch.equal(w_c, w_b)
+                u = returned.double() * (0.02 / commit_scale(weight_decay))
+                exact = u.square().sum().item()
+                assert all(abs(total - exact) <= (returned.numel() + 4) * eps32 * exact for total in sums), (sums, exact)
 
 
 @pytest.mark.parametrize("weight_decay", [0.1, 1e-13, 0.0])
@@ -572,8 +587,10 @@ def test_update_rms_is_the_applied_update_and_an_unmeasured_step_skips_only_it()
     rms = applied.square().mean().sqrt().item()
     bound = 4 * 2**-23 * max(before[n].abs().max().item() for n in "abce")
     assert abs(with_rms[-1]["muon/update_rms"] - rms) <= bound, (with_rms[-1]["muon/update_rms"], rms, bound)
-    # one fp32 scalar (the sum of squares, alive through the step) fewer in its transient memory, every other figure the same
+    # two fp32 scalars (the sum of squares and the one the commit's pass sums each block into, alive
+    # through the step) fewer in its transient memory, every other figure the same
     m, u = with_rms[-1], without_rms[-1]
-    assert m["muon/peak_transient_bytes"] - u["muon/peak_transient_bytes"] == 4.0
+    assert m["muon/peak_transient_bytes"] - u["muon/peak_transient_bytes"] == 8.0
+    assert m["muon/update_elements"] == sum(params[n].numel() for n in "abce")  # every Muon block this rank holds
     assert {k: v for k, v in m.items() if "time" not in k and k not in ("muon/update_rms", "muon/update_elements", "muon/peak_transient_bytes")} == \
         {k: v for k, v in u.items() if "time" not in k and k != "muon/peak_transient_bytes"}  # fmt: skip

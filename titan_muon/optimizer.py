@@ -80,7 +80,7 @@ class Muon(Optimizer):
         compile_elementwise: the element-wise passes as ``torch.compile``d kernels (update.py), and
         keep_reservation: a streaming step's reserved memory kept between steps (reservation.py);
             None (default): compiled on CUDA only, kept off it (no caching allocator keeps it there).
-    ``measure_update_rms = False`` before a step skips ``muon/update_rms``, one read of every update (the torchtitan adapter: between logged steps).
+    ``measure_update_rms = False`` before a step skips ``muon/update_rms`` (eagerly one read of every update; compiled, a sum in the commit's pass), as the torchtitan adapter does between logged steps.
     """
 
     def __init__(

@@ -43,10 +43,12 @@ class StepWork:
     update_numel: int = 0
     ns_flops: int = 0
     memory: MemoryAccount = field(default_factory=MemoryAccount)
+    scratch: Tensor | None = None  # an fp32 scalar beside update_sq, for the commit's pass to sum into
 
     def __post_init__(self):
         if self.update_sq is not None:  # alive through the step, for the metrics
-            self.memory.add(self.update_sq.numel() * self.update_sq.element_size())
+            self.scratch = torch.zeros_like(self.update_sq)
+            self.memory.add(2 * self.update_sq.numel() * self.update_sq.element_size())
 
 
 def staged_state(storage, state: dict, momentum: Tensor, stream: int, first_row: int | None, memory: MemoryAccount) -> dict:
@@ -110,12 +112,14 @@ def commit(storage, entries, owner_entries, state: dict, work: StepWork, element
                 continue
             grad = work.grads32.get(entry.index, local_shard(entry.param.grad))
             elementwise.momentum_update_(local_shard(state[entry.param]["momentum_buffer"]), grad, entry.group["momentum"])
-    apply_updates(work.updates, elementwise)
+    apply_updates(work.updates, elementwise, work)
 
 
-def apply_updates(updates: list[tuple[object, Tensor, Tensor]], elementwise: Elementwise) -> None:
+def apply_updates(updates: list[tuple[object, Tensor, Tensor]], elementwise: Elementwise, work: StepWork) -> None:
     """W ← (1 − lr·wd)·W − lr·update on each (MuonParam, local block, update), one fused pass per
-    param group and dtype: at the commit, or as each round returns with ``commit="streaming"``."""
+    param group and dtype: at the commit, or as each round returns with ``commit="streaming"``.
+    Where the step measures it (work.update_sq), the same pass adds ‖lr·U‖² of the blocks to it
+    (muon/update_rms: over the blocks this rank holds)."""
     by_group: dict[tuple, tuple[dict, list[Tensor], list[Tensor]]] = {}
     for entry, target, update in updates:
         _, targets, group_updates = by_group.setdefault((entry.group_index, target.dtype), (entry.group, [], []))
@@ -123,7 +127,10 @@ def apply_updates(updates: list[tuple[object, Tensor, Tensor]], elementwise: Ele
         group_updates.append(update)
     for group, targets, group_updates in by_group.values():
         targets, group_updates = zip(*coalesce(list(zip(targets, group_updates))))  # adjacent blocks: one pass per run
-        elementwise.decay_and_step_(list(targets), list(group_updates), float(group["lr"]), group["weight_decay"])  # a device lr: one host read
+        lr = float(group["lr"])  # a device lr: one host read
+        elementwise.decay_and_step_(list(targets), list(group_updates), lr, group["weight_decay"], work.update_sq, work.scratch)
+        if work.update_sq is not None:
+            work.update_numel += sum(t.numel() for t in targets)
 
 
 def adamw_step_device(p: Tensor, implementation: str) -> torch.device:

@@ -119,7 +119,7 @@ class MatrixStep:
     def write_round(self, r: int) -> None:
         """commit="streaming": the returned round's updates go into the weights now, and go."""
         with phase("commit_round"):
-            apply_updates(self.work.updates, self.elementwise)
+            apply_updates(self.work.updates, self.elementwise, self.work)
         self.work.updates.clear()
 
     # ------------------------------------------------------------------ owner side
@@ -161,7 +161,6 @@ class MatrixStep:
         workspace = self.newton_schulz.workspace_bytes(key, 1, spare=not reuse)
         self.memory.add(workspace)
         self.newton_schulz(key, matrices, self.timer, self.work, out=blocks, buffers=buffers, spare=matrices.view(dtype) if reuse else None)
-        self.newton_schulz.add_update_norm(key[1], [view for unit_blocks in blocks for _, _, view in unit_blocks], self.work, buffers)
         self.memory.free(workspace)
 
     def _into_results(self, batch: Batch, matrices: Tensor, results: dict[int, Tensor], buffers: Buffers) -> int:

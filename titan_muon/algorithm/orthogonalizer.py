@@ -17,8 +17,8 @@ from titan_muon.algorithm.newton_schulz import (
     orthogonalize,
     workspace_bytes,
 )
-from titan_muon.algorithm.update import coalesce, commit_scale, update_scale
-from titan_muon.buffers import Buffers, FreshBuffers, cut_bytes
+from titan_muon.algorithm.update import commit_scale, update_scale
+from titan_muon.buffers import Buffers, FreshBuffers
 from titan_muon.timing import StepTimer, phase
 
 
@@ -74,11 +74,10 @@ class Orthogonalizer:
     def workspace_bytes(self, key: tuple, count: int, reserved: bool = False, spare: bool = False) -> int:
         """What orthogonalizing a batch of `count` matrices holds at its peak besides its results
         (newton_schulz.workspace_bytes; ``reserved``: as cut from an Arena; ``spare``: results
-        written into blocks with a spare iterate of NS's own) and the update's norm."""
+        written into blocks with a spare iterate of NS's own)."""
         shape, group_index = key
         algorithm, dtype = self.plan(self.param_groups()[group_index], *shape)
-        norm = cut_bytes((), torch.float32) if reserved else 4
-        return workspace_bytes(count, *shape, algorithm, dtype, self.device.type, reserved=reserved, spare=spare) + norm
+        return workspace_bytes(count, *shape, algorithm, dtype, self.device.type, reserved=reserved, spare=spare)
 
     def result_dtype(self, key: tuple) -> torch.dtype:
         shape, group_index = key
@@ -104,8 +103,8 @@ class Orthogonalizer:
         taken from `buffers`; Blocks, one per matrix: writes_blocks, the iterates alternating with
         `spare`, newton_schulz.orthogonalize; for `matrices` given as Pieces, one per matrix:
         reads_pieces, always into Blocks); the workspace comes from `buffers` (default:
-        allocated) and is given back. Into a tensor, the update's norm is added to `work`; into
-        blocks, the caller adds it (add_update_norm), over their memory as it lies."""
+        allocated) and is given back. (The update's norm, muon/update_rms, is taken by the commit's
+        pass, which reads every returned update anyway: commit.apply_updates.)"""
         shape, group_index = key
         group = self.param_groups()[group_index]
         steps, (algorithm, dtype) = group["ns_steps"], self.plan(group, *shape)
@@ -126,26 +125,4 @@ class Orthogonalizer:
                 scaled, count = run(matrices, out, spare), 1 if matrices.ndim == 2 else matrices.shape[0]
         timer.stop("ns")
         work.ns_flops += count * newton_schulz_flops(*shape, steps, algorithm, dtype, device.type)
-        if isinstance(scaled, Tensor):
-            self.add_update_norm(group_index, [scaled], work, buffers)
-        work.update_numel += count * shape[0] * shape[1]
         return scaled
-
-    def add_update_norm(self, group_index: int, parts: list[Tensor], work, buffers: Buffers) -> None:
-        """work.update_sq += ‖lr·U‖² over `parts`, results of group `group_index` as returned (the
-        sum of squares behind muon/update_rms), through one fp32 scalar from `buffers`; parts that
-        continue each other in memory (a return buffer's adjacent pieces) as one run. Nothing for a
-        step that does not measure it (work.update_sq None: Muon.measure_update_rms)."""
-        if work.update_sq is None:
-            return
-        runs = [run for (run,) in coalesce([(part,) for part in sorted(parts, key=Tensor.storage_offset)])]
-        group = self.param_groups()[group_index]
-        lr = group["lr"].reshape(()) if isinstance(group["lr"], Tensor) else group["lr"]  # a one-element tensor lr
-        factor = (lr / commit_scale(group["weight_decay"])) ** 2
-        with phase("update_norm"):
-            mark = buffers.mark()
-            norm = buffers.take((), torch.float32)
-            for run in runs:
-                torch.linalg.vector_norm(run, dtype=torch.float32, out=norm)
-                work.update_sq.add_(norm.square_().mul_(factor))
-            buffers.release(mark)

@@ -164,6 +164,20 @@ def lerp_step_(param: Tensor, returned: Tensor, weight: Tensor) -> None:
     param.copy_(param.float() + weight * (returned.float() - param.float()))
 
 
+def decay_and_step_measured_(param: Tensor, update: Tensor, decay: Tensor, lr: Tensor, squares: Tensor) -> None:
+    """decay_and_step_, and squares += Σ update² (fp32), in the same pass."""
+    u = update.float()
+    param.copy_(param.float() * decay - u * lr)
+    squares.add_((u * u).sum())
+
+
+def lerp_step_measured_(param: Tensor, returned: Tensor, weight: Tensor, squares: Tensor) -> None:
+    """lerp_step_, and squares += Σ R² (fp32), in the same pass."""
+    r = returned.float()
+    param.copy_(param.float() + weight * (r - param.float()))
+    squares.add_((r * r).sum())
+
+
 def _marked_as_one_kernel(fn):
     """`fn` run eagerly inside a ``titan_muon/fused:<bytes>`` profiler range, <bytes> being what the
     one kernel it compiles to moves: each tensor argument once, and once more the first where `fn`
@@ -204,14 +218,28 @@ class Elementwise:
         self.momentum_update_ = wrap(momentum_update_)
         self._decay_and_step_ = wrap(decay_and_step_)
         self._lerp_step_ = wrap(lerp_step_)
+        self._decay_and_step_measured_ = wrap(decay_and_step_measured_)
+        self._lerp_step_measured_ = wrap(lerp_step_measured_)
 
-    def decay_and_step_(self, params: list[Tensor], returned: list[Tensor], lr: float, weight_decay: float) -> None:
+    def decay_and_step_(self, params: list[Tensor], returned: list[Tensor], lr: float, weight_decay: float,
+                        update_sq: Tensor | None = None, scratch: Tensor | None = None) -> None:  # fmt: skip
         """W ← (1 − lr·wd)·W − lr·U for many blocks, from R = U·commit_scale(wd) as the owners
         return it: lerp(W, R, lr·wd) where the scale folds −1/wd in, else (1 − lr·wd)·W − lr·R.
         Eagerly one foreach lerp (a multiply and an add where W and R differ in dtype, which lerp
-        refuses, or the decay is not folded), compiled one pass per block; no temporaries."""
+        refuses, or the decay is not folded), compiled one pass per block; no temporaries.
+        With `update_sq` (an fp32 scalar) it also adds ‖lr·U‖² of the blocks to it (muon/update_rms)
+        through the fp32 scalar `scratch`: compiled in the same pass, eagerly one norm per block."""
         if not params:
             return
+        squares = None
+        if update_sq is not None:
+            factor = (lr / commit_scale(weight_decay)) ** 2  # R = U·commit_scale(wd)
+            if self.compiled:
+                squares = scratch.zero_()
+            else:
+                for r in returned:
+                    torch.linalg.vector_norm(r, dtype=torch.float32, out=scratch)
+                    update_sq.addcmul_(scratch, scratch, value=factor)
         device = params[0].device
         folded = commit_scale(weight_decay) != 1.0
         # lr·wd in fp32, as the kernels use it: an fp32 tensor lr (0.0099999998) and the number it
@@ -230,7 +258,13 @@ class Elementwise:
             return
         step = torch.full((), weight if folded else lr, dtype=torch.float32, device=device)
         for param, update in zip(params, returned):
-            if folded:
+            if squares is not None and folded:
+                self._lerp_step_measured_(param, update, step, squares)
+            elif squares is not None:
+                self._decay_and_step_measured_(param, update, decay, step, squares)
+            elif folded:
                 self._lerp_step_(param, update, step)
             else:
                 self._decay_and_step_(param, update, decay, step)
+        if squares is not None:
+            update_sq.add_(squares, alpha=factor)
