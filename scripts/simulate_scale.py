@@ -646,8 +646,8 @@ FINDINGS = """## What the replay shows
   step, which writes fp32 momentum while packing; 4 more for the non-finite check's read of every
   gradient, which the table counts since 2026-11-28), and NS as the H100
   measured it fastest (standard bf16 on Qwen3's 768 × 2048 experts, fp16 Gram on Kimi K2's 2048 ×
-  7168 ones), Qwen3's busiest rank computes 73.0 ms: 47.9 ms of NS and 25.1 ms of other work.
-  Kimi K2's busiest stage: 113.3 ms of NS, 32.5 ms of other work. **Launches**: an EP rank holds
+  7168 ones), Qwen3's busiest rank computes 71.1 ms: 47.9 ms of NS and 23.2 ms of other work.
+  Kimi K2's busiest stage: 113.3 ms of NS, 25.4 ms of other work. **Launches**: an EP rank holds
   thousands of whole expert matrices, and one element-wise pass per matrix made Qwen3's busiest
   rank launch 8,252 kernels (60 ms of host time at the model's 7 µs; host-bound at 159.1 ms with
   the 18.5 µs per kernel the lent H100's host took). Adjacent blocks now share one pass
