@@ -131,3 +131,31 @@ def test_cuda_fp16_normalization_casts_in_registers():
     eps16 = torch.finfo(torch.float16).eps
     assert ((results["cpu"] - results["cuda"]).abs() <= eps16 * results["cpu"].abs() + 1e-7).all()
     assert workspace_bytes(1, 512, 2048, "gram", torch.float16, "cuda") < workspace_bytes(1, 512, 2048, "gram", torch.float16, "cpu")
+
+
+def test_cuda_commit_pass_sums_its_squares_in_its_own_kernels():
+    """With muon/update_rms measured, the compiled commit pass (Elementwise.decay_and_step_ with
+    update_sq) writes the weights inside the reduction that sums Σ R², so R is read once: its
+    Triton kernels are reductions (triton_red / triton_per; a large block's reduction may be split
+    in two), none a separate pointwise pass (triton_poi). Its weights equal the unmeasured pass's,
+    and its sum equals an fp64 one within fp32 summation (n·eps32 relative)."""
+    from titan_muon.algorithm.update import Elementwise, commit_scale
+
+    passes = Elementwise(compiled=True)
+    gen = torch.Generator().manual_seed(7)
+    weights = torch.randn(4096, 2048, generator=gen).cuda()
+    returned = torch.randn(4096, 2048, generator=gen).bfloat16().cuda()
+    update_sq, scratch = torch.zeros((), device="cuda"), torch.zeros((), device="cuda")
+    measured, plain = weights.clone(), weights.clone()
+    passes.decay_and_step_([measured], [returned], 0.02, 0.1, update_sq, scratch)  # compiles
+    passes.decay_and_step_([plain], [returned], 0.02, 0.1)
+    assert torch.equal(measured, plain)
+    exact = (returned.double() * (0.02 / commit_scale(0.1))).square().sum().item()
+    assert abs(update_sq.item() - exact) <= returned.numel() * torch.finfo(torch.float32).eps * exact
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        passes.decay_and_step_([measured], [returned], 0.02, 0.1, update_sq, scratch)
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    triton = [n for n in names if n.startswith("triton_")]
+    assert triton and not any(n.startswith("triton_poi") for n in triton), names
