@@ -165,17 +165,20 @@ def lerp_step_(param: Tensor, returned: Tensor, weight: Tensor) -> None:
 
 
 def decay_and_step_measured_(param: Tensor, update: Tensor, decay: Tensor, lr: Tensor, squares: Tensor) -> None:
-    """decay_and_step_, and squares += Σ update² (fp32), in the same pass."""
-    u = update.float()
-    param.copy_(param.float() * decay - u * lr)
-    squares.add_((u * u).sum())
+    """decay_and_step_, and squares += Σ update² (fp32): compiled, one pass."""
+    decay_and_step_(param, update, decay, lr)
+    _add_squares(squares, update)
 
 
 def lerp_step_measured_(param: Tensor, returned: Tensor, weight: Tensor, squares: Tensor) -> None:
-    """lerp_step_, and squares += Σ R² (fp32), in the same pass."""
-    r = returned.float()
-    param.copy_(param.float() + weight * (r - param.float()))
-    squares.add_((r * r).sum())
+    """lerp_step_, and squares += Σ R² (fp32): compiled, one pass."""
+    lerp_step_(param, returned, weight)
+    _add_squares(squares, returned)
+
+
+def _add_squares(squares: Tensor, x: Tensor) -> None:
+    x = x.float()
+    squares.add_((x * x).sum())
 
 
 def _marked_as_one_kernel(fn):
@@ -257,14 +260,13 @@ class Elementwise:
             torch._foreach_add_(params, returned, alpha=weight if folded else -lr)  # mixed dtypes: no converted copy
             return
         step = torch.full((), weight if folded else lr, dtype=torch.float32, device=device)
+        factors = (step,) if folded else (decay, step)
+        if squares is None:
+            kernel = self._lerp_step_ if folded else self._decay_and_step_
+        else:
+            kernel = self._lerp_step_measured_ if folded else self._decay_and_step_measured_
+            factors += (squares,)
         for param, update in zip(params, returned):
-            if squares is not None and folded:
-                self._lerp_step_measured_(param, update, step, squares)
-            elif squares is not None:
-                self._decay_and_step_measured_(param, update, decay, step, squares)
-            elif folded:
-                self._lerp_step_(param, update, step)
-            else:
-                self._decay_and_step_(param, update, decay, step)
+            kernel(param, update, *factors)
         if squares is not None:
             update_sq.add_(squares, alpha=factor)

@@ -9,8 +9,8 @@ measured during the last step. Tags (see docs/torchtitan.md):
 * ``muon/*``: ``titan_muon.Muon.last_step_metrics`` (update RMS, bytes sent/received, ...).
 
 Values are rank 0's view of the step just logged (bytes differ slightly between ranks). The
-update RMS costs a read of every update, so only the steps torchtitan logs measure it
-(:func:`measure_logged_steps_only`).
+update RMS costs a sum in the commit's pass (eagerly a read of every update), so only the steps
+torchtitan logs measure it (:func:`measure_logged_steps_only`).
 """
 
 import itertools
