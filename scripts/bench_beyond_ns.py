@@ -5,14 +5,16 @@ forward or backward: this measures the optimizer alone). In the same processes, 
 in turn on the same gradients:
 
 * fused AdamW (torch's ``fused=True``, torchtitan's default), the yardstick;
-* Muon at its defaults, unprofiled and then once more under torch.profiler: the step minus its
-  ``newton_schulz`` phase and the ``wait`` for the other ranks' NS is "around NS"; adding the
-  NS phase's own operations other than its matrix products (batching copies, normalization,
-  casts) gives "beyond the NS products";
-* the same profiled step with ``measure_update_rms = False``: a step whose metrics are not
-  logged (the torchtitan adapter measures ``muon/update_rms`` in logged steps only; with
-  torchtitan's default log_freq of 10 that is nine steps in ten);
-* the same with ``compile_elementwise=True`` (``--compiled``): the element-wise passes as
+* Muon at its defaults, each step twice: timed, and under torch.profiler. "Around NS" is the
+  timed step minus its NS time (``muon/ns_time_ms``) on the rank whose NS took longest, which
+  waits for no other rank's NS; under the profiler, the step minus its ``newton_schulz`` and
+  ``wait`` phases (the profiler's own cost per operation included). Adding the NS phase's own
+  operations other than its matrix products (normalization, the mirrored half of each
+  symmetric product, casts) gives "beyond the NS products";
+* the same with ``measure_update_rms = False``: a step whose metrics are not logged (the
+  torchtitan adapter measures ``muon/update_rms`` in logged steps only; with torchtitan's
+  default log_freq of 10 that is nine steps in ten);
+* with ``--compiled``, both again with ``compile_elementwise=True``: the element-wise passes as
   torch.compile'd kernels, as on CUDA (on CPU the default runs them eagerly);
 * Muon with ``ns_steps`` = 1 and 6: the step with zero NS iterations extrapolated from the two
   (t(0) = t(1) − (t(6) − t(1)) / 5), the measure issue 25 was filed with. Gram NS's first Gram
@@ -76,8 +78,13 @@ def _ns_operations_ms(prof) -> float:
     return total
 
 
+# (label, compile_elementwise, measure_update_rms): the Muon steps profiled and timed
+VARIANTS = (("logged", False, True), ("not logged", False, False), ("compiled, logged", True, True), ("compiled, not logged", True, False))
+
+
 def _rank_main(rank, world, args):
     mesh = init_device_mesh("cpu", (world,))
+    variants = [v for v in VARIANTS if args.compiled or not v[1]]
     names = ["adamw-fused", "muon", *(["muon compiled"] if args.compiled else []), *(f"muon ns_steps={k}" for k in EXTRAPOLATED_FROM)]
     runs = {}
     for name in names:
@@ -89,50 +96,67 @@ def _rank_main(rank, world, args):
             opt = Muon(build_param_groups(model), lr=3e-4, weight_decay=0.1, adjust_lr_fn="match_rms_adamw", ns_steps=ns_steps,
                        compile_elementwise=name == "muon compiled")  # fmt: skip
         runs[name] = (model, opt)
-    times = {name: [] for name in runs}
-    phases = {name: [] for name in ("muon", "muon unlogged", "muon compiled")}
+    # per run or variant: (step seconds, NS seconds) of each timed step; per variant: profiled phases
+    times = {name: [] for name in [*runs, *(label for label, *_ in variants)]}
+    phases = {label: [] for label, *_ in variants}
     for step in range(args.warmup + args.steps):
         for name, (model, opt) in runs.items():
-            for profiled in (False, True, "unlogged") if name == "muon" else (True,) if name == "muon compiled" else (False,):
+            steps = [(v, profiled) for v in variants if (name == "muon compiled") == v[1] for profiled in (False, True)]
+            for variant, profiled in steps if name in ("muon", "muon compiled") else [(None, False)]:
                 for p, g in zip(model.parameters(), _gradients(model, step * world + rank)):
                     p.grad = g
+                if variant is not None:
+                    opt.measure_update_rms = variant[2]
                 dist.barrier()
                 if profiled:
-                    opt.measure_update_rms = profiled != "unlogged"
                     with profile(activities=[ProfilerActivity.CPU]) as prof:
                         opt.step()
-                    opt.measure_update_rms = True
                     if step >= args.warmup:
-                        phases[name + (" unlogged" if profiled == "unlogged" else "")].append(_phase_ms(prof) | {"ns_operations": _ns_operations_ms(prof)})
+                        phases[variant[0]].append(_phase_ms(prof) | {"ns_operations": _ns_operations_ms(prof)})
                 else:
                     started = time.perf_counter()
                     opt.step()
+                    elapsed = time.perf_counter() - started
+                    ns = opt.last_step_metrics["muon/ns_time_ms"] / 1e3 if isinstance(opt, Muon) else 0.0
                     if step >= args.warmup:
-                        times[name].append(time.perf_counter() - started)
+                        times[name if variant is None else variant[0]].append((elapsed, ns))
+                opt.measure_update_rms = True
                 opt.zero_grad()
     return dict(times=times, phases=phases)
 
 
 def _slowest(ranks, name: str, i: int) -> float:
-    return max(r["times"][name][i] for r in ranks)
+    return max(r["times"][name][i][0] for r in ranks)
 
 
-def summarize(ranks, steps: int) -> dict[str, float]:
+def _around_unprofiled(ranks, name: str, i: int) -> float:
+    """Step i's time outside NS on the rank whose NS took longest: it never waits for another
+    rank's NS, so what remains is its own work around NS and its exchanges' transfer time."""
+    step, ns = max((r["times"][name][i] for r in ranks), key=lambda t: t[1])
+    return step - ns
+
+
+def summarize(ranks, steps: int) -> dict:
+    """fused AdamW's step, the extrapolation to zero NS iterations, and per Muon variant its step,
+    around NS (unprofiled and profiled) and beyond the NS products, in seconds."""
     median = statistics.median
     a, b = EXTRAPOLATED_FROM
     fused = median(_slowest(ranks, "adamw-fused", i) for i in range(steps))
-    step = median(_slowest(ranks, "muon", i) for i in range(steps))
     at_a = median(_slowest(ranks, f"muon ns_steps={a}", i) for i in range(steps))
     at_b = median(_slowest(ranks, f"muon ns_steps={b}", i) for i in range(steps))
-    summary = dict(fused=fused, step=step, no_iterations=at_a - a * (at_b - at_a) / (b - a))
-    for name, label in (("muon", ""), ("muon unlogged", " unlogged"), ("muon compiled", " compiled")):
-        if not ranks[0]["phases"][name]:
+    summary = dict(fused=fused, no_iterations=at_a - a * (at_b - at_a) / (b - a), variants={})
+    for label, phases in ranks[0]["phases"].items():
+        if not phases:
             continue
-        around = [median(p["step"] - sum(p.get(k, 0.0) for k in NS_PHASES) for p in r["phases"][name]) for r in ranks]
-        inside = [median(p["ns_operations"] for p in r["phases"][name]) for r in ranks]
+        around = [median(p["step"] - sum(p.get(k, 0.0) for k in NS_PHASES) for p in r["phases"][label]) for r in ranks]
+        inside = [median(p["ns_operations"] for p in r["phases"][label]) for r in ranks]
         slowest = max(range(len(ranks)), key=lambda r: around[r] + inside[r])
-        summary["around" + label] = around[slowest] / 1e3
-        summary["beyond products" + label] = (around[slowest] + inside[slowest]) / 1e3
+        summary["variants"][label] = dict(
+            step=median(_slowest(ranks, label, i) for i in range(steps)),
+            around_unprofiled=median(_around_unprofiled(ranks, label, i) for i in range(steps)),
+            around=around[slowest] / 1e3,
+            beyond_products=(around[slowest] + inside[slowest]) / 1e3,
+        )
     return summary
 
 
@@ -170,20 +194,19 @@ def main():
     for malloc in args.mallocs.split(","):
         use_malloc(malloc)
         ranks = run_on_ranks(_rank_main, args.world, args)
-        tables = {name: phase_table(ranks, name) for name in ("muon", "muon unlogged", "muon compiled") if ranks[0]["phases"][name]}
+        tables = {label: phase_table(ranks, label) for label, phases in ranks[0]["phases"].items() if phases}
         results[malloc] = (summarize(ranks, args.steps), tables)
 
-    def cell(s, key):
-        return f"{1e3 * s[key]:.1f} ({s[key] / s['fused']:.2f}×)" if key in s else "–"
+    def ratio(seconds, s):
+        return f"{1e3 * seconds:.1f} ({seconds / s['fused']:.2f}×)"
 
-    lines = ["| malloc | fused AdamW step ms | Muon step ms | around NS ms (× fused AdamW; goal ≤ 1.5×) | "
-             "beyond the NS products ms (×; goal ≤ 3×) | a step not logged: around NS | not logged: beyond the NS products | "
-             "compiled passes: around NS | compiled: beyond the NS products | beyond the NS iterations, extrapolated |",
-             "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = ["| malloc | fused AdamW step ms | Muon step | Muon step ms | around NS, unprofiled ms (× fused AdamW; goal ≤ 1.5×) | "
+             "around NS, profiled | beyond the NS products, profiled (goal ≤ 3×) | beyond the NS iterations, extrapolated |",
+             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for malloc, (s, _) in results.items():
-        lines.append(f"| {malloc} | {1e3 * s['fused']:.1f} | {1e3 * s['step']:.1f} | {cell(s, 'around')} | {cell(s, 'beyond products')} | "
-                     f"{cell(s, 'around unlogged')} | {cell(s, 'beyond products unlogged')} | "
-                     f"{cell(s, 'around compiled')} | {cell(s, 'beyond products compiled')} | {cell(s, 'no_iterations')} |")  # fmt: skip
+        for label, v in s["variants"].items():
+            lines.append(f"| {malloc} | {1e3 * s['fused']:.1f} | {label} | {1e3 * v['step']:.1f} | {ratio(v['around_unprofiled'], s)} | "
+                         f"{ratio(v['around'], s)} | {ratio(v['beyond_products'], s)} | {ratio(s['no_iterations'], s)} |")  # fmt: skip
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
     command = "python scripts/bench_beyond_ns.py " + " ".join(sys.argv[1:])
     section = f"## Beyond Newton–Schulz, {args.flavor}, optimizer alone (scripts/bench_beyond_ns.py)"
@@ -196,16 +219,20 @@ def main():
         "",
         *lines,
         "",
-        "\"around NS\": the profiled step minus its `newton_schulz` and `wait` phases (\"a step not logged\": with "
-        "`measure_update_rms = False`: the commit's pass sums no squares); \"beyond the NS products\": that "
-        "plus the NS phase's operations other than matrix products (both on the rank where they are largest); \"beyond "
-        f"the NS iterations\": unprofiled steps at ns_steps = {EXTRAPOLATED_FROM[0]} and {EXTRAPOLATED_FROM[1]} extrapolated "
+        "Muon steps: \"not logged\" with `measure_update_rms = False` (the commit's pass sums no squares; nine "
+        "steps in ten at torchtitan's default log_freq), \"compiled\" with `compile_elementwise=True` (the passes as "
+        "CUDA runs them by default). \"around NS, unprofiled\": a timed step minus its NS time (`muon/ns_time_ms`) "
+        "on the rank whose NS took longest (it waits for no other rank's NS; its transfers stay in); \"profiled\": "
+        "the step under torch.profiler minus its `newton_schulz` and `wait` phases (the profiler's own cost "
+        "included); \"beyond the NS products\": that plus the NS phase's operations other than matrix products "
+        "(both on the rank where they are largest); \"beyond the NS iterations\": unprofiled steps at ns_steps = "
+        f"{EXTRAPOLATED_FROM[0]} and {EXTRAPOLATED_FROM[1]} extrapolated "
         "to none (it includes Gram NS's first and last products, which do not grow with ns_steps).",
         "",
     ]
     for malloc, (_, tables) in results.items():
         for name, table in tables.items():
-            body += [f"Phases, {name}, malloc {malloc}:", "", *table, ""]
+            body += [f"Phases, Muon {name}, malloc {malloc}:", "", *table, ""]
     report = "\n".join(body)
     print(report)
     if not args.no_write:
