@@ -5,10 +5,12 @@ forward or backward: this measures the optimizer alone). In the same processes, 
 in turn on the same gradients:
 
 * fused AdamW (torch's ``fused=True``, torchtitan's default), the yardstick;
-* Muon at its defaults, each step twice: timed, and under torch.profiler. "Around NS" is the
-  timed step minus its NS time (``muon/ns_time_ms``) on the rank whose NS took longest, which
-  waits for no other rank's NS; under the profiler, the step minus its ``newton_schulz`` and
-  ``wait`` phases (the profiler's own cost per operation included). Adding the NS phase's own
+* Muon at its defaults, each step twice: with its phases timed by the host clock
+  (``titan_muon.timing.PhaseClock``), and under torch.profiler. "Around NS" is the step minus
+  its ``newton_schulz`` phase and its waits for the other ranks (NS imbalance, transfers): the
+  ``wait`` phases of the exchange and ``agree_on_success``, the final all-reduce, where a rank
+  whose NS ended first waits for the others; on the rank where what remains is longest. Under
+  the profiler it includes the profiler's own cost per operation. Adding the NS phase's own
   operations other than its matrix products (normalization, the mirrored half of each
   symmetric product, casts) gives "beyond the NS products";
 * the same with ``measure_update_rms = False``: a step whose metrics are not logged (the
@@ -52,8 +54,12 @@ from bench_training import FLAVORS, MALLOC_SETTINGS, build, use_malloc  # noqa: 
 from profile_step import COLLECTIVE_LAUNCHES, PHASES, _phase_ms  # noqa: E402
 
 from titan_muon import Muon, build_param_groups  # noqa: E402
+from titan_muon.timing import PhaseClock  # noqa: E402
 
-NS_PHASES = ("newton_schulz", "wait")  # NS itself, and waiting for the other ranks' NS
+# NS itself, and waiting for the other ranks' NS: in the exchange (`wait`), and in the final
+# agreement's all-reduce, where a rank whose NS ended first waits for the others (the
+# all-reduce's own work, 0.6–0.8 ms per step on the ~100M model, is counted as waiting too)
+NS_PHASES = ("newton_schulz", "wait", "agree_on_success")
 GEMMS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul")
 EXTRAPOLATED_FROM = (1, 6)  # ns_steps of the two runs whose difference is five NS iterations
 
@@ -96,7 +102,7 @@ def _rank_main(rank, world, args):
             opt = Muon(build_param_groups(model), lr=3e-4, weight_decay=0.1, adjust_lr_fn="match_rms_adamw", ns_steps=ns_steps,
                        compile_elementwise=name == "muon compiled")  # fmt: skip
         runs[name] = (model, opt)
-    # per run or variant: (step seconds, NS seconds) of each timed step; per variant: profiled phases
+    # per run or variant: (step, NS and wait) seconds of each timed step; per variant: profiled phases
     times = {name: [] for name in [*runs, *(label for label, *_ in variants)]}
     phases = {label: [] for label, *_ in variants}
     for step in range(args.warmup + args.steps):
@@ -114,12 +120,12 @@ def _rank_main(rank, world, args):
                     if step >= args.warmup:
                         phases[variant[0]].append(_phase_ms(prof) | {"ns_operations": _ns_operations_ms(prof)})
                 else:
-                    started = time.perf_counter()
-                    opt.step()
-                    elapsed = time.perf_counter() - started
-                    ns = opt.last_step_metrics["muon/ns_time_ms"] / 1e3 if isinstance(opt, Muon) else 0.0
+                    with PhaseClock() as clock:
+                        started = time.perf_counter()
+                        opt.step()
+                        elapsed = time.perf_counter() - started
                     if step >= args.warmup:
-                        times[name if variant is None else variant[0]].append((elapsed, ns))
+                        times[name if variant is None else variant[0]].append((elapsed, sum(clock.ms[k] for k in NS_PHASES) / 1e3))
                 opt.measure_update_rms = True
                 opt.zero_grad()
     return dict(times=times, phases=phases)
@@ -130,15 +136,14 @@ def _slowest(ranks, name: str, i: int) -> float:
 
 
 def _around_unprofiled(ranks, name: str, i: int) -> float:
-    """Step i's time outside NS on the rank whose NS took longest: it never waits for another
-    rank's NS, so what remains is its own work around NS and its exchanges' transfer time."""
-    step, ns = max((r["times"][name][i] for r in ranks), key=lambda t: t[1])
-    return step - ns
+    """Step i's time outside its `newton_schulz` and `wait` phases (host-timed, PhaseClock) on
+    the rank where that is longest."""
+    return max(step - ns_and_wait for step, ns_and_wait in (r["times"][name][i] for r in ranks))
 
 
 def summarize(ranks, steps: int) -> dict:
     """fused AdamW's step, the extrapolation to zero NS iterations, and per Muon variant its step,
-    around NS (unprofiled and profiled) and beyond the NS products, in seconds."""
+    around NS (host clock and profiled) and beyond the NS products, in seconds."""
     median = statistics.median
     a, b = EXTRAPOLATED_FROM
     fused = median(_slowest(ranks, "adamw-fused", i) for i in range(steps))
@@ -200,7 +205,7 @@ def main():
     def ratio(seconds, s):
         return f"{1e3 * seconds:.1f} ({seconds / s['fused']:.2f}×)"
 
-    lines = ["| malloc | fused AdamW step ms | Muon step | Muon step ms | around NS, unprofiled ms (× fused AdamW; goal ≤ 1.5×) | "
+    lines = ["| malloc | fused AdamW step ms | Muon step | Muon step ms | around NS ms, host clock (× fused AdamW; goal ≤ 1.5×) | "
              "around NS, profiled | beyond the NS products, profiled (goal ≤ 3×) | beyond the NS iterations, extrapolated |",
              "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for malloc, (s, _) in results.items():
@@ -221,10 +226,10 @@ def main():
         "",
         "Muon steps: \"not logged\" with `measure_update_rms = False` (the commit's pass sums no squares; nine "
         "steps in ten at torchtitan's default log_freq), \"compiled\" with `compile_elementwise=True` (the passes as "
-        "CUDA runs them by default). \"around NS, unprofiled\": a timed step minus its NS time (`muon/ns_time_ms`) "
-        "on the rank whose NS took longest (it waits for no other rank's NS; its transfers stay in); \"profiled\": "
-        "the step under torch.profiler minus its `newton_schulz` and `wait` phases (the profiler's own cost "
-        "included); \"beyond the NS products\": that plus the NS phase's operations other than matrix products "
+        "CUDA runs them by default). \"around NS\": the step minus its `newton_schulz`, `wait` and `agree_on_success` "
+        "phases (the final all-reduce, where a rank whose NS ended first waits for the others), "
+        "timed by the host clock (`titan_muon.timing.PhaseClock`) or under torch.profiler (whose cost per operation "
+        "it then includes), on the rank where it is longest; \"beyond the NS products\": that plus the NS phase's operations other than matrix products "
         "(both on the rank where they are largest); \"beyond the NS iterations\": unprofiled steps at ns_steps = "
         f"{EXTRAPOLATED_FROM[0]} and {EXTRAPOLATED_FROM[1]} extrapolated "
         "to none (it includes Gram NS's first and last products, which do not grow with ns_steps).",

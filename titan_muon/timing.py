@@ -8,6 +8,7 @@ uses the host clock.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -61,8 +62,38 @@ class StepTimer:
         return read
 
 
-def phase(name: str) -> record_function:
+class PhaseClock:
+    """Host time per phase of the steps run inside ``with PhaseClock() as clock:``, in
+    ``clock.ms[name]`` (a phase entered several times, or nested in another, adds each
+    interval). For CPU benchmarks that must not pay torch.profiler's cost per operation
+    (scripts/bench_beyond_ns.py); on CUDA the host clock times launches, not the work."""
+
+    active: PhaseClock | None = None
+
+    def __init__(self):
+        self.ms: dict[str, float] = defaultdict(float)
+
+    def __enter__(self) -> PhaseClock:
+        self._outer, PhaseClock.active = PhaseClock.active, self
+        return self
+
+    def __exit__(self, *exc) -> None:
+        PhaseClock.active = self._outer
+
+    @contextlib.contextmanager
+    def timed(self, name: str):
+        started = time.perf_counter()
+        try:
+            with record_function(f"titan_muon/{name}"):
+                yield
+        finally:
+            self.ms[name] += 1e3 * (time.perf_counter() - started)
+
+
+def phase(name: str):
     """``with phase("commit"):`` marks a part of the step as ``titan_muon/commit`` in
     torch.profiler traces (torchtitan's ``--profiling.enable_profiling`` included); outside a
-    profiler it costs one no-op record, about a microsecond."""
-    return record_function(f"titan_muon/{name}")
+    profiler it costs one no-op record, about a microsecond. Inside a :class:`PhaseClock` it is
+    timed too."""
+    clock = PhaseClock.active
+    return record_function(f"titan_muon/{name}") if clock is None else clock.timed(name)
