@@ -102,7 +102,7 @@ def _rank_main(rank, world, args):
             opt = Muon(build_param_groups(model), lr=3e-4, weight_decay=0.1, adjust_lr_fn="match_rms_adamw", ns_steps=ns_steps,
                        compile_elementwise=name == "muon compiled")  # fmt: skip
         runs[name] = (model, opt)
-    # per run or variant: (step, NS and wait) seconds of each timed step; per variant: profiled phases
+    # per run or variant: (step, NS_PHASES) seconds of each timed step; per variant: profiled phases
     times = {name: [] for name in [*runs, *(label for label, *_ in variants)]}
     phases = {label: [] for label, *_ in variants}
     for step in range(args.warmup + args.steps):
@@ -135,10 +135,9 @@ def _slowest(ranks, name: str, i: int) -> float:
     return max(r["times"][name][i][0] for r in ranks)
 
 
-def _around_unprofiled(ranks, name: str, i: int) -> float:
-    """Step i's time outside its `newton_schulz` and `wait` phases (host-timed, PhaseClock) on
-    the rank where that is longest."""
-    return max(step - ns_and_wait for step, ns_and_wait in (r["times"][name][i] for r in ranks))
+def _around_by_host_clock(ranks, name: str, i: int) -> float:
+    """Step i's time outside its NS_PHASES (host-timed, PhaseClock) on the rank where that is longest."""
+    return max(step - ns_and_waits for step, ns_and_waits in (r["times"][name][i] for r in ranks))
 
 
 def summarize(ranks, steps: int) -> dict:
@@ -158,7 +157,7 @@ def summarize(ranks, steps: int) -> dict:
         slowest = max(range(len(ranks)), key=lambda r: around[r] + inside[r])
         summary["variants"][label] = dict(
             step=median(_slowest(ranks, label, i) for i in range(steps)),
-            around_unprofiled=median(_around_unprofiled(ranks, label, i) for i in range(steps)),
+            around_host_clock=median(_around_by_host_clock(ranks, label, i) for i in range(steps)),
             around=around[slowest] / 1e3,
             beyond_products=(around[slowest] + inside[slowest]) / 1e3,
         )
@@ -210,7 +209,7 @@ def main():
              "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for malloc, (s, _) in results.items():
         for label, v in s["variants"].items():
-            lines.append(f"| {malloc} | {1e3 * s['fused']:.1f} | {label} | {1e3 * v['step']:.1f} | {ratio(v['around_unprofiled'], s)} | "
+            lines.append(f"| {malloc} | {1e3 * s['fused']:.1f} | {label} | {1e3 * v['step']:.1f} | {ratio(v['around_host_clock'], s)} | "
                          f"{ratio(v['around'], s)} | {ratio(v['beyond_products'], s)} | {ratio(s['no_iterations'], s)} |")  # fmt: skip
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
     command = "python scripts/bench_beyond_ns.py " + " ".join(sys.argv[1:])
