@@ -107,8 +107,11 @@ def _rank_main(rank, world, args):
     phases = {label: [] for label, *_ in variants}
     for step in range(args.warmup + args.steps):
         for name, (model, opt) in runs.items():
-            steps = [(v, profiled) for v in variants if (name == "muon compiled") == v[1] for profiled in (False, True)]
-            for variant, profiled in steps if name in ("muon", "muon compiled") else [(None, False)]:
+            if name in ("muon", "muon compiled"):  # each of its variants timed, then profiled
+                steps = [(v, profiled) for v in variants if v[1] == (name == "muon compiled") for profiled in (False, True)]
+            else:
+                steps = [(None, False)]
+            for variant, profiled in steps:
                 for p, g in zip(model.parameters(), _gradients(model, step * world + rank)):
                     p.grad = g
                 if variant is not None:
@@ -126,7 +129,6 @@ def _rank_main(rank, world, args):
                         elapsed = time.perf_counter() - started
                     if step >= args.warmup:
                         times[name if variant is None else variant[0]].append((elapsed, sum(clock.ms[k] for k in NS_PHASES) / 1e3))
-                opt.measure_update_rms = True
                 opt.zero_grad()
     return dict(times=times, phases=phases)
 

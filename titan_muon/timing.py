@@ -81,10 +81,11 @@ class PhaseClock:
         PhaseClock.active = self._outer
 
     @contextlib.contextmanager
-    def timed(self, name: str):
+    def timed(self, name: str, marker: record_function):
+        """`marker` (phase's profiler range) entered, and the time inside it added to ms[name]."""
         started = time.perf_counter()
         try:
-            with record_function(f"titan_muon/{name}"):
+            with marker:
                 yield
         finally:
             self.ms[name] += 1e3 * (time.perf_counter() - started)
@@ -95,5 +96,5 @@ def phase(name: str):
     torch.profiler traces (torchtitan's ``--profiling.enable_profiling`` included); outside a
     profiler it costs one no-op record, about a microsecond. Inside a :class:`PhaseClock` it is
     timed too."""
-    clock = PhaseClock.active
-    return record_function(f"titan_muon/{name}") if clock is None else clock.timed(name)
+    marker = record_function(f"titan_muon/{name}")
+    return marker if PhaseClock.active is None else PhaseClock.active.timed(name, marker)
