@@ -11,6 +11,8 @@
 #   3. scripts/bench_gpu.py: the step's element-wise passes eager against compiled, fp16 Gram
 #      against bf16 standard NS, the atomic against the streaming commit, against AdamW's default
 #      and fused steps: time, NS time, "beyond NS" over fused AdamW, peak memory each step adds;
+#      then scripts/measure_compiled_call.py: the host time of one compiled pass against one eager
+#      op (the replay's compiled_call_s and launch_s, scripts/replay.py);
 #   4. torchtitan's llama3 debug model (train_configs/llama3_gqa_*.toml, 300 steps, one GPU):
 #      Muon with the CUDA defaults (standard bf16 NS: the debug model's matrices are below the
 #      2048-row side where "auto" picks Gram on GPUs), Muon with fp16 Gram NS forced, AdamW: final
@@ -77,6 +79,7 @@ run "1. NS: fp16 Gram vs bf16 standard" 110 "$out/ns.md" \
 run "2. CUDA tests" 70 "$out/tests.txt" \
     python -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_clip_device.py
 run "3. step: fused vs eager, peak memory" 120 "$out/bench.md" python scripts/bench_gpu.py
+run "3b. host time of a compiled pass" 40 "$out/bench.md" python scripts/measure_compiled_call.py --device cuda
 
 train() {  # train NAME STEPS CONFIG [overrides...]
     local name=$1 steps=$2 config=$3; shift 3

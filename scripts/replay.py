@@ -52,6 +52,12 @@ class Hardware:
     # Host cost of one eager aten op up to its CUDA launch (dispatcher + launch): 5-10 us is what
     # torch.profiler shows for eager PyTorch on server CPUs; 7 us.
     launch_s: float = 7e-6
+    # Host cost of one call of a torch.compile'd pass over one block (its first kernel, "compiled"
+    # in the trace): titan_muon's list wrapper, dynamo's guards, AOTAutograd's and inductor's
+    # wrappers, the launch. 56 us hot on a Xeon (scripts/measure_compiled_call.py, 2026-11-28),
+    # where each further block of the same call added 7.6 us (launch_s here); not yet measured on
+    # a GPU's host.
+    compiled_call_s: float = 56e-6
     # ProcessGroupNCCL's host work per collective (stream/event bookkeeping, enqueue).
     collective_host_s: float = 20e-6
     # A host read: the device->host copy and the host's wake-up after the stream drained.
@@ -152,8 +158,9 @@ class Replay:
         while not rank.done:
             event = rank.trace.events[rank.position]
             if isinstance(event, Kernel):
-                rank.host += hw.launch_s
-                result.host_busy_s += hw.launch_s
+                launch = hw.compiled_call_s if event.name == "compiled" else hw.launch_s
+                rank.host += launch
+                result.host_busy_s += launch
                 duration = hw.kernel_s(event)
                 if event.stream == "relay":
                     rank.relay = max(rank.host, rank.relay) + duration

@@ -710,6 +710,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--output", type=Path, default=ROOT / "docs" / "scale.md")
     parser.add_argument("--launch-us", type=float, help="host time per kernel launch in µs for every hardware (a sensitivity run: "
                         "writes nothing; scripts/calibrate_replay.py measures it from a GPU run)")  # fmt: skip
+    parser.add_argument("--compiled-call-us", type=float, help="host time per call of a compiled pass in µs (a sensitivity run: "
+                        "writes nothing; scripts/measure_compiled_call.py measures it)")  # fmt: skip
     parser.add_argument("--exchange-memory-mb", type=int, help="trace every case at this window (a sensitivity run: writes nothing)")
     parser.add_argument("--model", help="only the cases of this model (writes nothing)")
     args = parser.parse_args(argv)
@@ -717,6 +719,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         CUDA_DEFAULTS["exchange_memory_mb"] = args.exchange_memory_mb
     if args.launch_us is not None:
         HARDWARE.update({name: replace(hardware, launch_s=args.launch_us * 1e-6) for name, hardware in HARDWARE.items()})
+    if args.compiled_call_us is not None:
+        HARDWARE.update({name: replace(hardware, compiled_call_s=args.compiled_call_us * 1e-6) for name, hardware in HARDWARE.items()})
     cases = QUICK if args.quick else DEFAULT + (LARGE if args.large else [])
     if args.model is not None:
         cases = [c for c in cases if c.model == args.model and (args.exchange_memory_mb is None or c.exchange_memory_mb is None)]
@@ -727,7 +731,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     for case in cases:
         row = simulate(case, args.workers)
         rows.append(row)
-    if args.quick or args.launch_us is not None or args.exchange_memory_mb is not None or args.model is not None:
+    if args.quick or args.launch_us is not None or args.compiled_call_us is not None or args.exchange_memory_mb is not None or args.model is not None:
         return
     command = "python scripts/simulate_scale.py" + (" --large" if args.large else "")
     args.output.write_text(render(rows, command, time.perf_counter() - start))

@@ -44,6 +44,7 @@ from meta_device import DeviceAudit, meta_process_group
 
 aten = torch.ops.aten
 FUSED = "fused:"
+COMPILED_CALL = "compiled_call"  # one call of a torch.compile'd pass (update.Elementwise on meta), around its kernels
 _FREE = {aten.empty.memory_format, aten.empty_strided.default, aten.empty_like.default, aten.detach.default, aten._unsafe_view.default,
          aten.lift_fresh.default, aten.set_.source_Storage_storage_offset}  # fmt: skip
 
@@ -112,13 +113,14 @@ class _Recorder(DeviceAudit):
         super().__init__("meta")
         self.trace = trace
         self.phases: list[str] = []
-        self.fused = 0  # depth of titan_muon/fused ranges: the passes a GPU runs as one compiled kernel
+        self.fused = 0  # depth of titan_muon/fused ranges: the passes a GPU runs as one kernel
+        self.call_started = False  # in a titan_muon/compiled_call range, before its first kernel
 
     def stream(self) -> str:
         return "relay" if "relay" in self.phases else "compute"
 
     def phase(self) -> str:
-        named = [p for p in self.phases if not p.startswith(FUSED)]
+        named = [p for p in self.phases if not p.startswith(FUSED) and p != COMPILED_CALL]
         return named[-1] if named else "step"
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -126,9 +128,14 @@ class _Recorder(DeviceAudit):
         if func.namespace == "profiler":
             if "enter" in func.__name__:
                 name = args[0].removeprefix("titan_muon/")
-                if name.startswith(FUSED):
+                if name == COMPILED_CALL:
+                    self.call_started = True
+                elif name.startswith(FUSED):
                     if not self.fused:  # one kernel moving what the range names; nothing inside it is recorded
-                        self.trace.events.append(Kernel("fused", 0, int(name[len(FUSED) :]), torch.float32, self.phase(), self.stream()))
+                        # a compiled call's first kernel carries the call's host cost (Replay: compiled_call_s)
+                        kind = "compiled" if self.call_started else "fused"
+                        self.trace.events.append(Kernel(kind, 0, int(name[len(FUSED) :]), torch.float32, self.phase(), self.stream()))
+                        self.call_started = False
                     self.fused += 1
                 self.phases.append(name)
             elif self.phases:

@@ -365,7 +365,7 @@ def test_owner_nesterov_helper_matches_the_step_and_commit_rules(nesterov):
     grad, momentum = torch.randn(17, 9, generator=gen), torch.randn(17, 9, generator=gen)
     out, expected = torch.empty_like(grad), torch.empty_like(grad)
     new = eager.nesterov_input_and_momentum_into(out, grad, momentum, 0.95, nesterov)
-    eager.nesterov_input_into(expected, grad, momentum, 0.95, nesterov)
+    eager.nesterov_inputs_into([expected], [grad], [momentum], 0.95, nesterov)
     assert torch.equal(out, expected)
     stored = momentum.clone()
     eager.momentum_update_(stored, grad, 0.95)
@@ -390,8 +390,8 @@ def test_compiled_elementwise_passes_equal_the_eager_ones():
         for dtype in (torch.float32, torch.bfloat16):
             for nesterov in (True, False):
                 a, b = torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype)
-                eager.nesterov_input_into(a, grad, momentum, 0.95, nesterov)
-                compiled.nesterov_input_into(b, grad, momentum, 0.95, nesterov)
+                eager.nesterov_inputs_into([a], [grad], [momentum], 0.95, nesterov)
+                compiled.nesterov_inputs_into([b], [grad], [momentum], 0.95, nesterov)
                 bound = 2 * scale + (eps16 * a.float().abs() if dtype == torch.bfloat16 else 0)
                 assert ((a.float() - b.float()).abs() <= bound).all(), (shape, dtype, nesterov)
                 new_a = eager.nesterov_input_and_momentum_into(a, grad, momentum, 0.95, nesterov)
@@ -425,6 +425,44 @@ def test_compiled_elementwise_passes_equal_the_eager_ones():
                 u = returned.double() * (0.02 / commit_scale(weight_decay))
                 exact = u.square().sum().item()
                 assert all(abs(total - exact) <= (returned.numel() + 4) * eps32 * exact for total in sums), (sums, exact)
+
+
+def test_compiled_passes_over_lists_of_blocks_equal_the_eager_ones():
+    """Compiled passes take their blocks in lists, one call per power-of-two chunk
+    (update.power_of_two_chunks): five blocks of uneven shapes whose outputs are slices of one
+    send buffer (aliased inputs, as in the step) are two calls, of 4 and 1. Each block must get
+    what the eager pass gives it, to the fp32 rounding the one-block test derives: |Δ| ≤
+    2·eps32·(|g| + |M|) per lerp (two for the Nesterov input), 2·eps32·(|W| + lr·|U|) for the step."""
+    from titan_muon.algorithm.update import Elementwise, power_of_two_chunks
+
+    assert [(c.start, c.stop) for c in power_of_two_chunks(21)] == [(0, 16), (16, 20), (20, 21)]
+    assert [c.stop - c.start for c in power_of_two_chunks(5)] == [4, 1] and power_of_two_chunks(0) == []
+    eager, compiled = Elementwise(compiled=False), Elementwise(compiled=True)
+    gen = torch.Generator().manual_seed(8)
+    shapes = [(7, 5), (3, 16), (1, 9), (12, 4), (6, 6)]
+    eps32 = torch.finfo(torch.float32).eps
+    grads = [torch.randn(s, generator=gen) for s in shapes]
+    momenta = [torch.randn(s, generator=gen) for s in shapes]
+    results = []
+    for passes in (eager, compiled):
+        buffer = torch.full((sum(a * b for a, b in shapes),), float("nan"))
+        outs = [piece.view(s) for piece, s in zip(buffer.split([a * b for a, b in shapes]), shapes)]
+        stored = [m.clone() for m in momenta]
+        passes.momenta_and_nesterov_inputs_(stored, outs, grads, 0.95, True)
+        results.append((buffer, stored))
+    (out_a, stored_a), (out_b, stored_b) = results
+    scale = torch.cat([2 * eps32 * (g.abs() + m.abs()).flatten() for g, m in zip(grads, momenta)])
+    assert ((out_a - out_b).abs() <= 2 * scale).all()  # every slot written: NaN would fail
+    assert all(((a - b).abs() <= 2 * eps32 * (g.abs() + m.abs())).all() for a, b, g, m in zip(stored_a, stored_b, grads, momenta))
+    weights = [torch.randn(s, generator=gen) for s in shapes]
+    returned = [torch.randn(s, generator=gen) for s in shapes]
+    stepped = []
+    for passes in (eager, compiled):
+        targets = [w.clone() for w in weights]
+        passes.decay_and_step_(targets, returned, lr=0.02, weight_decay=0.1)
+        stepped.append(targets)
+    for a, b, w, r in zip(*stepped, weights, returned):
+        assert ((a - b).abs() <= 2 * eps32 * (w.abs() + 0.02 * 0.1 * r.abs())).all()
 
 
 @pytest.mark.parametrize("weight_decay", [0.1, 1e-13, 0.0])

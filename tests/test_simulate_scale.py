@@ -28,7 +28,7 @@ from titan_muon.algorithm.newton_schulz import newton_schulz_flops
 # Round numbers, so expected times are sums of a few terms: a kernel of 1 GB takes 1 ms, a launch
 # 1 us, a collective has 10 us latency plus 1 us per peer, 1 GB crosses NVLink in 10 ms.
 HW = Hardware(
-    bf16_matmul_flops=1e15, fp32_matmul_flops=1e14, memory_bytes_per_s=1e12, min_kernel_s=0.0, launch_s=1e-6,
+    bf16_matmul_flops=1e15, fp32_matmul_flops=1e14, memory_bytes_per_s=1e12, min_kernel_s=0.0, launch_s=1e-6, compiled_call_s=5e-6,
     collective_host_s=0.0, host_read_s=0.0, nvlink_bytes_per_s=1e11, infiniband_bytes_per_s=1e10,
     collective_latency_s=1e-5, near_peer_latency_s=1e-6, far_peer_latency_s=2e-6, gpus_per_node=2,
 )  # fmt: skip
@@ -53,6 +53,15 @@ def test_kernels_queue_behind_the_host_and_each_other():
     matmul = Kernel("mm", int(2e12), 1000, torch.bfloat16, "newton_schulz")  # 2 TFLOP at 1 PFLOP/s
     result = replay([Trace(0, [matmul])], HW)[0]
     assert result.finish_s == pytest.approx(1e-6 + 2 * MS) and result.newton_schulz_s == pytest.approx(2 * MS)
+
+
+def test_a_compiled_pass_costs_the_host_a_compiled_call():
+    """A call of a torch.compile'd pass (its first kernel is "compiled" in the trace, step_trace.py)
+    costs the host compiled_call_s; its further kernels, like eager ops, launch_s each."""
+    call, more = (Kernel(name, 0, 100, torch.float32, "pack") for name in ("compiled", "fused"))  # 0.1 us of memory traffic each
+    result = replay([Trace(0, [call, more, call, kernel(0.0001)])], HW)[0]
+    assert result.host_busy_s == pytest.approx(2 * 5e-6 + 2 * 1e-6)
+    assert result.finish_s == pytest.approx(2 * 5e-6 + 2 * 1e-6 + 0.1e-6)
 
 
 def test_a_wait_holds_the_stream_not_the_host_and_a_read_drains_it():

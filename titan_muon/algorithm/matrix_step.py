@@ -101,15 +101,19 @@ class MatrixStep:
                     if self.storage.name != "fp32":  # a decoded copy, held for the rest of the exchange
                         self.memory.add(self.momenta[entry.index].numel() * 4)
                 nesterov.setdefault(entry.index, []).append((out, local_piece(entry.stack(p.grad), piece), local_piece(self.momenta[entry.index], piece)))
+        writes_momentum = self.streaming and self.storage.name == "fp32"  # no rollback to protect: the commit's lerp is done here
+        passes: dict[tuple[float, bool], list[tuple[Tensor, Tensor, Tensor]]] = {}  # per (β, Nesterov): one list of blocks
         for index, blocks in nesterov.items():
-            entry = self.params[index]
-            beta, use_nesterov = entry.group["momentum"], entry.group["nesterov"]
-            for out, grad, momentum in coalesce(blocks):  # adjacent blocks (an EP rank's experts): one pass per run
-                if self.streaming and self.storage.name == "fp32":  # no rollback to protect: the commit's lerp is done here
-                    self.elementwise.momentum_and_nesterov_input_(momentum, out, grad, beta, use_nesterov)
-                    self.work.momentum_written.add(index)
-                else:
-                    self.elementwise.nesterov_input_into(out, grad, momentum, beta, use_nesterov)
+            group = self.params[index].group
+            passes.setdefault((group["momentum"], group["nesterov"]), []).extend(coalesce(blocks))  # adjacent blocks (an EP rank's experts): one per run
+            if writes_momentum:
+                self.work.momentum_written.add(index)
+        for (beta, use_nesterov), blocks in passes.items():
+            outs, grads, momenta = (list(column) for column in zip(*blocks))
+            if writes_momentum:
+                self.elementwise.momenta_and_nesterov_inputs_(momenta, outs, grads, beta, use_nesterov)
+            else:
+                self.elementwise.nesterov_inputs_into(outs, grads, momenta, beta, use_nesterov)
 
     def receive(self, engine: ExchangeEngine, piece: Piece, update: Tensor) -> None:
         entry = self.params[engine.units[piece.unit].param]

@@ -13,8 +13,10 @@ Nesterov input reads and writes a temporary and then a cast copy (30 bytes per e
 bf16 wire). Weight decay and the step are one pass even eagerly: the owners return each update
 U multiplied by :func:`commit_scale` (−1/wd, folded into Newton–Schulz's last product, which
 scales it anyway), so that (1 − lr·wd)·W − lr·U is ``lerp(W, −U/wd, lr·wd)``, one torch op.
-Compiled, each pass is one kernel reading its inputs once and writing its output once — what
-torch's fused optimizers do, written with torch's compiler instead of CUDA. :class:`Elementwise`
+Compiled, each pass is one kernel per block reading its inputs once and writing its output once
+— what torch's fused optimizers do, written with torch's compiler instead of CUDA — and a step's
+blocks go to it in lists, since each call of a compiled function costs the host far more than
+the kernels it launches (:data:`COMPILED_LIST`). :class:`Elementwise`
 holds both forms. The eager one is the reference and runs by default off CUDA (compiling costs
 seconds per function on a CPU and gains less there: on the ~100M model at W = 2 it took the commit from
 16 to 13 ms and the packing not at all, scripts/bench_beyond_ns.py, 2026-11-28); the compiled one computes the same
@@ -181,26 +183,104 @@ def _add_squares(squares: Tensor, x: Tensor) -> None:
     squares.add_((x * x).sum())
 
 
-def _marked_as_one_kernel(fn):
-    """`fn` run eagerly inside a ``titan_muon/fused:<bytes>`` profiler range, <bytes> being what the
-    one kernel it compiles to moves: each tensor argument once, and once more the first where `fn`
-    updates it in place (a name ending in ``_``) or the fp32 momentum it returns. On ``meta``
-    there is no compiler: this is how a trace of the step (scripts/step_trace.py) sees the
-    passes a GPU runs."""
+def momenta_and_nesterov_inputs_(momenta: list[Tensor], outs: list[Tensor], grads: list[Tensor], beta: float, nesterov: bool) -> None:
+    """momentum_and_nesterov_input_ on each block of the lists (one compiled call for them all)."""
+    for momentum, out, grad in zip(momenta, outs, grads):
+        momentum_and_nesterov_input_(momentum, out, grad, beta, nesterov)
 
-    def size(t) -> int:
-        return t.numel() * t.element_size() if isinstance(t, Tensor) else 0
+
+def nesterov_inputs_into(outs: list[Tensor], grads: list[Tensor], momenta: list[Tensor], beta: float, nesterov: bool) -> None:
+    """nesterov_input_into on each block of the lists."""
+    for out, grad, momentum in zip(outs, grads, momenta):
+        nesterov_input_into(out, grad, momentum, beta, nesterov)
+
+
+def decay_and_steps_(params: list[Tensor], updates: list[Tensor], decay: Tensor, lr: Tensor) -> None:
+    for param, update in zip(params, updates):
+        decay_and_step_(param, update, decay, lr)
+
+
+def lerp_steps_(params: list[Tensor], returned: list[Tensor], weight: Tensor) -> None:
+    for param, update in zip(params, returned):
+        lerp_step_(param, update, weight)
+
+
+def decay_and_steps_measured_(params: list[Tensor], updates: list[Tensor], decay: Tensor, lr: Tensor, squares: Tensor) -> None:
+    for param, update in zip(params, updates):
+        decay_and_step_measured_(param, update, decay, lr, squares)
+
+
+def lerp_steps_measured_(params: list[Tensor], returned: list[Tensor], weight: Tensor, squares: Tensor) -> None:
+    for param, update in zip(params, returned):
+        lerp_step_measured_(param, update, weight, squares)
+
+
+# One call of a torch.compile'd pass costs the host ~44 µs where an eager op costs ~2 (guards and
+# wrappers; scripts/measure_compiled_call.py), and a step has a block per matrix on every rank:
+# compiled passes take their blocks in lists, up to COMPILED_LIST per call. Dynamo compiles once
+# per list length, so lists are cut into powers of two: at most five graphs per pass.
+COMPILED_LIST = 16
+
+
+def power_of_two_chunks(n: int, largest: int = COMPILED_LIST) -> list[slice]:
+    """[0, n) cut into consecutive slices whose lengths are powers of two up to `largest`, largest first."""
+    chunks, start = [], 0
+    while start < n:
+        size = min(largest, 1 << ((n - start).bit_length() - 1))
+        chunks.append(slice(start, start + size))
+        start += size
+    return chunks
+
+
+def _size(t) -> int:
+    return t.numel() * t.element_size() if isinstance(t, Tensor) else 0
+
+
+def _marked_as_one_kernel(fn):
+    """`fn` run eagerly inside a ``titan_muon/compiled_call`` profiler range holding one
+    ``titan_muon/fused:<bytes>`` range, <bytes> being what the one kernel it compiles to moves:
+    each tensor argument once, and once more the first where `fn` updates it in place (a name
+    ending in ``_``) or the fp32 momentum it returns. On ``meta`` there is no compiler: this is
+    how a trace of the step (scripts/step_trace.py) sees the passes a GPU runs, and what each call
+    costs its host."""
 
     def marked(*args):
-        moved = sum(size(a) for a in args)
+        moved = sum(_size(a) for a in args)
         if fn.__name__.endswith("_"):
-            moved += size(args[0])
+            moved += _size(args[0])
         elif fn is nesterov_input_and_momentum_into:
             moved += args[2].numel() * 4
-        with torch.profiler.record_function(f"titan_muon/fused:{moved}"):
+        with torch.profiler.record_function("titan_muon/compiled_call"), torch.profiler.record_function(f"titan_muon/fused:{moved}"):
             return fn(*args)
 
     return marked
+
+
+def _marked_as_one_call(fn, block_fn, lists: int):
+    """The list form of `block_fn` on ``meta``: one ``titan_muon/compiled_call`` range for the
+    call, a ``fused`` range per block inside it (inductor compiles a list to one kernel per block,
+    launched by one call)."""
+
+    def marked(*args):
+        moved_again = block_fn.__name__.endswith("_")  # the first tensor is updated in place
+        with torch.profiler.record_function("titan_muon/compiled_call"):
+            for blocks in zip(*args[:lists]):
+                moved = sum(_size(t) for t in blocks) + sum(_size(a) for a in args[lists:]) + (_size(blocks[0]) if moved_again else 0)
+                with torch.profiler.record_function(f"titan_muon/fused:{moved}"):
+                    block_fn(*blocks, *args[lists:])
+
+    marked.__name__ = fn.__name__
+    return marked
+
+
+def _in_chunks(compiled_fn, lists: int):
+    """compiled_fn called on power_of_two_chunks of its first `lists` arguments (lists of blocks)."""
+
+    def chunked(*args):
+        for chunk in power_of_two_chunks(len(args[0])):
+            compiled_fn(*(a[chunk] for a in args[:lists]), *args[lists:])
+
+    return chunked
 
 
 class Elementwise:
@@ -211,25 +291,30 @@ class Elementwise:
         self.compiled = compiled
         if not compiled:
             wrap = lambda fn: fn  # noqa: E731
+            over_lists = lambda fn, block_fn, lists: fn  # noqa: E731
         elif device_type == "meta":
             wrap = _marked_as_one_kernel
+            over_lists = lambda fn, block_fn, lists: _in_chunks(_marked_as_one_call(fn, block_fn, lists), lists)  # noqa: E731
         else:
             wrap = lambda fn: torch.compile(fn, dynamic=True, fullgraph=True)  # noqa: E731
-        self.nesterov_input_into = wrap(nesterov_input_into)
+            over_lists = lambda fn, block_fn, lists: _in_chunks(wrap(fn), lists)  # noqa: E731
         self.nesterov_input_and_momentum_into = wrap(nesterov_input_and_momentum_into)
-        self.momentum_and_nesterov_input_ = wrap(momentum_and_nesterov_input_)
         self.momentum_update_ = wrap(momentum_update_)
-        self._decay_and_step_ = wrap(decay_and_step_)
-        self._lerp_step_ = wrap(lerp_step_)
-        self._decay_and_step_measured_ = wrap(decay_and_step_measured_)
-        self._lerp_step_measured_ = wrap(lerp_step_measured_)
+        # Each takes lists of blocks (then the scalars): one compiled call per chunk of them.
+        self.momenta_and_nesterov_inputs_ = over_lists(momenta_and_nesterov_inputs_, momentum_and_nesterov_input_, 3)
+        self.nesterov_inputs_into = over_lists(nesterov_inputs_into, nesterov_input_into, 3)
+        self._decay_and_steps_ = over_lists(decay_and_steps_, decay_and_step_, 2)
+        self._lerp_steps_ = over_lists(lerp_steps_, lerp_step_, 2)
+        self._decay_and_steps_measured_ = over_lists(decay_and_steps_measured_, decay_and_step_measured_, 2)
+        self._lerp_steps_measured_ = over_lists(lerp_steps_measured_, lerp_step_measured_, 2)
 
     def decay_and_step_(self, params: list[Tensor], returned: list[Tensor], lr: float, weight_decay: float,
                         update_sq: Tensor | None = None, scratch: Tensor | None = None) -> None:  # fmt: skip
         """W ← (1 − lr·wd)·W − lr·U for many blocks, from R = U·commit_scale(wd) as the owners
         return it: lerp(W, R, lr·wd) where the scale folds −1/wd in, else (1 − lr·wd)·W − lr·R.
         Eagerly one foreach lerp (a multiply and an add where W and R differ in dtype, which lerp
-        refuses, or the decay is not folded), compiled one pass per block; no temporaries.
+        refuses, or the decay is not folded), compiled one kernel per block, the blocks in lists
+        (one call per power-of-two chunk); no temporaries.
         With `update_sq` (an fp32 scalar) it also adds ‖lr·U‖² of the blocks to it (muon/update_rms)
         through the fp32 scalar `scratch`: compiled in the same pass, eagerly one norm per block."""
         if not params:
@@ -262,11 +347,10 @@ class Elementwise:
         step = torch.full((), weight if folded else lr, dtype=torch.float32, device=device)
         factors = (step,) if folded else (decay, step)
         if squares is None:
-            kernel = self._lerp_step_ if folded else self._decay_and_step_
+            steps = self._lerp_steps_ if folded else self._decay_and_steps_
         else:
-            kernel = self._lerp_step_measured_ if folded else self._decay_and_step_measured_
+            steps = self._lerp_steps_measured_ if folded else self._decay_and_steps_measured_
             factors += (squares,)
-        for param, update in zip(params, returned):
-            kernel(param, update, *factors)
+        steps(params, returned, *factors)
         if squares is not None:
             update_sq.add_(squares, alpha=factor)
