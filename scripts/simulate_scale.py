@@ -651,9 +651,12 @@ FINDINGS = """## What the replay shows
   thousands of whole expert matrices, and one element-wise pass per matrix made Qwen3's busiest
   rank launch 8,252 kernels (60 ms of host time at the model's 7 µs; host-bound at 159.1 ms with
   the 18.5 µs per kernel the lent H100's host took). Adjacent blocks now share one pass
-  (`update.coalesce`: the experts lie side by side in the parameter and in the exchange buffers):
-  4,219 kernels, 32.2 ms of host time (4,298 before the streaming default; then `--launch-us 18.5` replayed the step at 86.1 ms, host and
-  compute about even; Llama-3 8B: 124.5 ms, Kimi K2's stage 0: 143.7 ms, both compute-bound).
+  (`update.coalesce`: the experts lie side by side in the parameter and in the exchange buffers),
+  and a round's blocks share one compiled call (*Limits of the model*): 40.4 ms of host time at
+  the measured cost of a compiled call, under 71.1 ms of compute. With that H100's host for the
+  eager ops too (`--launch-us 18.5`, 2026-11-28) Qwen3's step replays at 84.5 ms, host-bound
+  (81.9 ms of host time); Llama-3 8B at W = 8 at 114.9 ms and Kimi K2's stage 0 at 125.7 ms stay
+  compute-bound.
   The commit's momentum lerp, which recomputed what packing computed, is gone wherever the step
   streams (`commit="auto"`: every row, Kimi K2's pipeline stages too since 2026-11-28, when their
   reservation joined the verdict's all-reduce over the pipeline; committing atomically they moved
@@ -686,6 +689,18 @@ FINDINGS = """## What the replay shows
   one process; `scripts/step_bytes.py --world 1` counts 42 / 70 bytes per element compiled /
   eager): measured 9.0 / 12.2 ms against 6.8 / 11.4 ms at the model's 2.68 TB/s, so the compiled
   passes run about 1.3× slower than modelled (docs/performance.md, "GPU").
+- **A compiled call costs its host more than its kernels.** One call of a torch.compile'd pass
+  costs 56 µs of host time for one block and 7.6 µs per further block of the same call, measured
+  on a Xeon through the step's own entry point (`scripts/measure_compiled_call.py`, 2026-11-28;
+  `scripts/gpu_check.sh` step 3b measures a GPU's host): dynamo's guards and AOTAutograd's and
+  inductor's wrappers, where an eager op costs ~2 µs. The replay charges a call's first kernel
+  `compiled_call_s` and each further one `launch_s`. Before 2026-11-28 it charged every compiled
+  pass an eager launch (7 µs), and the step made one call per block: at the measured cost that
+  step replayed Llama-3 8B at W = 64 host-bound (27.5 ms: 21.4 ms of host time against 17.9 of
+  compute; 20.8 ms as charged before) and Qwen3's busiest rank at 68.6 ms of host time beside
+  71.1 of compute. The passes now take a round's blocks in lists (`update.COMPILED_LIST`, one
+  call per power-of-two chunk of up to 16), which the rows above replay. `--compiled-call-us`
+  replays another host (nothing written).
 - Pipeline parallel is replayed one stage at a time (Kimi K2: the busiest and stage 0); the Kimi K2
   calibration row combines them with the forwards that hide later stages' steps
   (`pipeline_exposed_s`), computed from the model's FLOPs at NVIDIA's reported rate rather than

@@ -215,10 +215,11 @@ def lerp_steps_measured_(params: list[Tensor], returned: list[Tensor], weight: T
         lerp_step_measured_(param, update, weight, squares)
 
 
-# One call of a torch.compile'd pass costs the host ~44 µs where an eager op costs ~2 (guards and
-# wrappers; scripts/measure_compiled_call.py), and a step has a block per matrix on every rank:
-# compiled passes take their blocks in lists, up to COMPILED_LIST per call. Dynamo compiles once
-# per list length, so lists are cut into powers of two: at most five graphs per pass.
+# One call of a torch.compile'd pass costs the host ~56 µs where an eager op costs ~2 (guards and
+# wrappers; each further block of the same call ~8 µs: scripts/measure_compiled_call.py), and a
+# step has a block per matrix on every rank: compiled passes take their blocks in lists, up to
+# COMPILED_LIST per call. Dynamo compiles once per list length, so lists are cut into powers of
+# two: at most five graphs per pass.
 COMPILED_LIST = 16
 
 
