@@ -18,8 +18,8 @@ Compiled, each pass is one kernel per block reading its inputs once and writing 
 blocks go to it in lists, since each call of a compiled function costs the host far more than
 the kernels it launches (:data:`COMPILED_LIST`). :class:`Elementwise`
 holds both forms. The eager one is the reference and runs by default off CUDA (compiling costs
-seconds per function on a CPU and gains less there: on the ~100M model at W = 2 it took the commit from
-16 to 13 ms and the packing not at all, scripts/bench_beyond_ns.py, 2026-11-28); the compiled one computes the same
+~20 s per list length on a CPU and gains less there: on the ~100M model at W = 2 it took the packing
+from 61–66 to 55–57 ms per rank and the commit not at all, scripts/bench_beyond_ns.py, 2026-11-28); the compiled one computes the same
 formulas up to fp32 rounding (the compiler may contract a multiply and an add into one fused
 multiply-add). Scalars that change between steps (learning rate, decay) enter as 0-dim device
 tensors, so a schedule never recompiles, and shapes are dynamic, so uneven shards share a kernel.
