@@ -428,15 +428,16 @@ def test_compiled_elementwise_passes_equal_the_eager_ones():
 
 
 def test_compiled_passes_over_lists_of_blocks_equal_the_eager_ones():
-    """Compiled passes take their blocks in lists, one call per power-of-two chunk
-    (update.power_of_two_chunks): five blocks of uneven shapes whose outputs are slices of one
+    """Compiled passes take their blocks in lists, one call per chunk of 16, 8, 4, 2 or 1 blocks
+    (update.call_chunks): five blocks of uneven shapes whose outputs are slices of one
     send buffer (aliased inputs, as in the step) are two calls, of 4 and 1. Each block must get
     what the eager pass gives it, to the fp32 rounding the one-block test derives: |Δ| ≤
     2·eps32·(|g| + |M|) per lerp (two for the Nesterov input), 2·eps32·(|W| + lr·|U|) for the step."""
-    from titan_muon.algorithm.update import Elementwise, power_of_two_chunks
+    from titan_muon.algorithm.update import Elementwise, call_chunks
 
-    assert [(c.start, c.stop) for c in power_of_two_chunks(21)] == [(0, 16), (16, 20), (20, 21)]
-    assert [c.stop - c.start for c in power_of_two_chunks(5)] == [4, 1] and power_of_two_chunks(0) == []
+    assert [(c.start, c.stop) for c in call_chunks(21)] == [(0, 16), (16, 20), (20, 21)]
+    assert [c.stop - c.start for c in call_chunks(15)] == [8, 4, 2, 1]
+    assert [c.stop - c.start for c in call_chunks(5)] == [4, 1] and call_chunks(0) == []
     eager, compiled = Elementwise(compiled=False), Elementwise(compiled=True)
     gen = torch.Generator().manual_seed(8)
     shapes = [(7, 5), (3, 16), (1, 9), (12, 4), (6, 6)]

@@ -204,6 +204,21 @@ def test_traced_bytes_and_flops_are_the_steps(traces):
     assert ns == sum(newton_schulz_flops(*s, 5) for s in SHAPES)
 
 
+def test_compiled_passes_are_one_call_per_list_of_blocks(traces):
+    """The shard side's pass and the commit hand each round's blocks to one compiled call
+    (update.COMPILED_LIST at most; its first kernel is "compiled", the others "fused"): on every
+    rank, in both phases, no call has more kernels than that, and there are fewer calls than
+    kernels (these rounds carry several blocks; one call per block would make them equal)."""
+    from titan_muon.algorithm.update import COMPILED_LIST
+
+    for t in traces:
+        for phase in ("pack", "commit_round"):
+            kinds = [e.name for e in t.events if isinstance(e, Kernel) and e.phase == phase and e.name in ("compiled", "fused")]
+            calls = "".join("c" if k == "compiled" else "f" for k in kinds).split("c")[1:]  # each call: its further kernels
+            assert kinds and kinds[0] == "compiled" and all(len(more) < COMPILED_LIST for more in calls)
+            assert len(calls) < len(kinds), (t.rank, phase, kinds)
+
+
 def test_the_gradient_check_counts_its_muon_share(traces):
     """The non-finite check reads every gradient once, AdamW's too (fp32 here): its bytes per Muon
     element are the Muon gradients' 4 bytes, counted in the total beyond NS. Beside that one pass it

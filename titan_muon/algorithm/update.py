@@ -218,18 +218,21 @@ def lerp_steps_measured_(params: list[Tensor], returned: list[Tensor], weight: T
 # One call of a torch.compile'd pass costs the host ~56 µs where an eager op costs ~2 (guards and
 # wrappers; each further block of the same call ~8 µs: scripts/measure_compiled_call.py), and a
 # step has a block per matrix on every rank: compiled passes take their blocks in lists, up to
-# COMPILED_LIST per call. Dynamo compiles once per list length, so lists are cut into powers of
-# two: at most five graphs per pass.
-COMPILED_LIST = 16
+# COMPILED_LIST per call. Dynamo compiles once per list length, so lists come in the lengths of
+# CALL_SIZES, whose binary split of a round's blocks makes the fewest calls: five graphs per pass.
+# Dynamo recompiles a function at most 8 times, so where a second variant joins (another momentum
+# β, another dtype) some of its lengths run eagerly: the same numbers, more kernels.
+CALL_SIZES = (16, 8, 4, 2, 1)
+COMPILED_LIST = CALL_SIZES[0]
 
 
-def power_of_two_chunks(n: int, largest: int = COMPILED_LIST) -> list[slice]:
-    """[0, n) cut into consecutive slices whose lengths are powers of two up to `largest`, largest first."""
+def call_chunks(n: int) -> list[slice]:
+    """[0, n) cut into consecutive slices of CALL_SIZES lengths, as many of the longest as fit, then the next."""
     chunks, start = [], 0
-    while start < n:
-        size = min(largest, 1 << ((n - start).bit_length() - 1))
-        chunks.append(slice(start, start + size))
-        start += size
+    for size in CALL_SIZES:
+        while n - start >= size:
+            chunks.append(slice(start, start + size))
+            start += size
     return chunks
 
 
@@ -275,10 +278,10 @@ def _marked_as_one_call(fn, block_fn, lists: int):
 
 
 def _in_chunks(compiled_fn, lists: int):
-    """compiled_fn called on power_of_two_chunks of its first `lists` arguments (lists of blocks)."""
+    """compiled_fn called on call_chunks of its first `lists` arguments (lists of blocks)."""
 
     def chunked(*args):
-        for chunk in power_of_two_chunks(len(args[0])):
+        for chunk in call_chunks(len(args[0])):
             compiled_fn(*(a[chunk] for a in args[:lists]), *args[lists:])
 
     return chunked
@@ -315,7 +318,7 @@ class Elementwise:
         return it: lerp(W, R, lr·wd) where the scale folds −1/wd in, else (1 − lr·wd)·W − lr·R.
         Eagerly one foreach lerp (a multiply and an add where W and R differ in dtype, which lerp
         refuses, or the decay is not folded), compiled one kernel per block, the blocks in lists
-        (one call per power-of-two chunk); no temporaries.
+        (one call per chunk of CALL_SIZES); no temporaries.
         With `update_sq` (an fp32 scalar) it also adds ‖lr·U‖² of the blocks to it (muon/update_rms)
         through the fp32 scalar `scratch`: compiled in the same pass, eagerly one norm per block."""
         if not params:
