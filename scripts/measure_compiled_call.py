@@ -1,10 +1,12 @@
 """Host time of one call to the step's compiled element-wise pass, next to one eager op.
 
-The step trace (scripts/step_trace.py) records each compiled pass as one kernel; the replay
+The step trace (scripts/step_trace.py) records each compiled call and its kernels; the replay
 (scripts/replay.py) charges the host ``compiled_call_s`` for launching it, where an eager op costs
 ``launch_s``. A torch.compile'd function does more on the host than an eager op: dynamo's guards,
-AOTAutograd's runtime wrapper, inductor's wrapper, then the kernel launch. This measures it on
-blocks small enough that the kernel itself is negligible:
+AOTAutograd's runtime wrapper, inductor's wrapper, then the kernel launch. This measures it
+through the entry point the step uses (``Elementwise``, which takes lists of blocks), for one block
+and for ``COMPILED_LIST`` blocks in one call, on blocks small enough that the kernels themselves
+are negligible:
 
 * *hot*: call after call, the host's caches holding the wrappers' code and data;
 * *after a sweep* (CPU only): each call after streaming 32 MiB through the caches, as a CPU step

@@ -6,7 +6,10 @@ mode records, in issue order, what the host hands to the device:
 
 - ``Kernel``: one aten op that launches work (views and allocations do not), with its FLOPs
   (torch's own ``flop_counter`` formulas), the bytes it reads and writes, its dtype and the
-  titan_muon phase it ran in (``timing.phase`` markers);
+  titan_muon phase it ran in (``timing.phase`` markers); a ``titan_muon/fused:<bytes>`` range is
+  one kernel moving those bytes (a pass a GPU runs as one kernel), named "compiled" where it is
+  the first of a ``titan_muon/compiled_call`` range (one call of a torch.compile'd pass, whose host
+  cost the replay charges there), else "fused";
 - ``Collective``: a ``torch.distributed`` call, on which communicator, with the bytes this
   rank sends to and receives from each peer;
 - ``Wait``: the compute stream waits for a collective (``Work.wait()``; a synchronous call);
