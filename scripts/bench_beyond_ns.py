@@ -49,7 +49,7 @@ from torch.distributed.tensor import DTensor
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_optimizer import ROOT, run_on_ranks, write_section  # noqa: E402
+from bench_optimizer import ROOT, cpu_name, run_on_ranks, write_section  # noqa: E402
 from bench_training import FLAVORS, MALLOC_SETTINGS, build, use_malloc  # noqa: E402
 from profile_step import COLLECTIVE_LAUNCHES, PHASES, _phase_ms  # noqa: E402
 
@@ -213,7 +213,7 @@ def main():
         for label, v in s["variants"].items():
             lines.append(f"| {malloc} | {1e3 * s['fused']:.1f} | {label} | {1e3 * v['step']:.1f} | {ratio(v['around_host_clock'], s)} | "
                          f"{ratio(v['around'], s)} | {ratio(v['beyond_products'], s)} | {ratio(s['no_iterations'], s)} |")  # fmt: skip
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
+    cpu = cpu_name()
     command = "python scripts/bench_beyond_ns.py " + " ".join(sys.argv[1:])
     section = f"## Beyond Newton–Schulz, {args.flavor}, optimizer alone (scripts/bench_beyond_ns.py)"
     body = [

@@ -119,6 +119,12 @@ def _gloo_rank(rank, world, port, fn, args, out_dir):
     dist.destroy_process_group()
 
 
+def cpu_name() -> str:
+    """The CPU's model name, for the machine line of a benchmark's report."""
+    with open("/proc/cpuinfo") as f:
+        return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), platform.processor() or "?")
+
+
 def run_on_ranks(fn, world: int, args) -> list:
     """fn(rank, world, args) on `world` gloo ranks with args.threads threads each; per-rank results."""
     with socket.socket() as s:
@@ -259,7 +265,7 @@ def main():
             ratios.append(f"- {first} vs {standard}, W=2: **{by_world[2][standard]['median_ms'] / ours2:.2f}x** faster")
     ratios.append(f"- torch.mm ({args.dim}x{args.dim} @ {args.dim}x{args.ffn}, fp32, {args.threads} thread): {mm:.0f} GFLOP/s")
 
-    cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), platform.processor())
+    cpu = cpu_name()
     command = "python scripts/bench_optimizer.py " + " ".join(sys.argv[1:])
     report = "\n".join(
         [

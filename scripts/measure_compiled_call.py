@@ -30,6 +30,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_optimizer import cpu_name  # noqa: E402
+
 from titan_muon.algorithm.update import COMPILED_LIST, Elementwise  # noqa: E402
 
 BLOCK = 4096  # elements: a kernel of a few microseconds on any device
@@ -75,7 +78,7 @@ def main() -> None:
             fn()
     source, sink = torch.randn(SWEEP_BYTES // 4), torch.empty(SWEEP_BYTES // 4)
     sweep = None if device.type == "cuda" else (lambda: sink.copy_(source))
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
     print(f"{name}, torch {torch.__version__}, {torch.get_num_threads()} thread(s), {time.strftime('%Y-%m-%d')}; "
           f"block of {BLOCK} fp32 elements, median of {args.calls} calls\n")  # fmt: skip
     print("| call | host µs, hot | host µs, after a sweep |\n|---|---|---|")
@@ -83,11 +86,6 @@ def main() -> None:
         hot = per_call_us(fn, args.calls, device)
         cold = f"{per_call_us(fn, args.calls, device, sweep):.1f}" if sweep is not None else "n/a (GPU host)"
         print(f"| {label} | {hot:.1f} | {cold} |")
-
-
-def _cpu_name() -> str:
-    with open("/proc/cpuinfo") as f:
-        return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "CPU")
 
 
 if __name__ == "__main__":

@@ -183,6 +183,10 @@ def _add_squares(squares: Tensor, x: Tensor) -> None:
     squares.add_((x * x).sum())
 
 
+# The list forms below are written out one by one, not made by one factory: dynamo keeps its
+# compiled graphs, and its limit of 8 recompiles, per code object, which a factory's closures share.
+
+
 def momenta_and_nesterov_inputs_(momenta: list[Tensor], outs: list[Tensor], grads: list[Tensor], beta: float, nesterov: bool) -> None:
     """momentum_and_nesterov_input_ on each block of the lists (one compiled call for them all)."""
     for momentum, out, grad in zip(momenta, outs, grads):
@@ -240,40 +244,42 @@ def _size(t) -> int:
     return t.numel() * t.element_size() if isinstance(t, Tensor) else 0
 
 
+def _one_kernel_range(fn, args) -> torch.profiler.record_function:
+    """A ``titan_muon/fused:<bytes>`` profiler range, <bytes> being what the one kernel `fn(*args)`
+    compiles to moves: each tensor argument once, and once more the first where `fn` updates it
+    in place (a name ending in ``_``) or the fp32 momentum it returns."""
+    moved = sum(_size(a) for a in args)
+    if fn.__name__.endswith("_"):
+        moved += _size(args[0])
+    elif fn is nesterov_input_and_momentum_into:
+        moved += args[2].numel() * 4
+    return torch.profiler.record_function(f"titan_muon/fused:{moved}")
+
+
 def _marked_as_one_kernel(fn):
-    """`fn` run eagerly inside a ``titan_muon/compiled_call`` profiler range holding one
-    ``titan_muon/fused:<bytes>`` range, <bytes> being what the one kernel it compiles to moves:
-    each tensor argument once, and once more the first where `fn` updates it in place (a name
-    ending in ``_``) or the fp32 momentum it returns. On ``meta`` there is no compiler: this is
-    how a trace of the step (scripts/step_trace.py) sees the passes a GPU runs, and what each call
-    costs its host."""
+    """`fn` run eagerly inside a ``titan_muon/compiled_call`` profiler range holding its one
+    kernel's range. On ``meta`` there is no compiler: this is how a trace of the step
+    (scripts/step_trace.py) sees the passes a GPU runs, and what each call costs its host."""
 
     def marked(*args):
-        moved = sum(_size(a) for a in args)
-        if fn.__name__.endswith("_"):
-            moved += _size(args[0])
-        elif fn is nesterov_input_and_momentum_into:
-            moved += args[2].numel() * 4
-        with torch.profiler.record_function("titan_muon/compiled_call"), torch.profiler.record_function(f"titan_muon/fused:{moved}"):
+        with torch.profiler.record_function("titan_muon/compiled_call"), _one_kernel_range(fn, args):
             return fn(*args)
 
     return marked
 
 
-def _marked_as_one_call(fn, block_fn, lists: int):
+def _marked_as_one_call(block_fn, lists: int):
     """The list form of `block_fn` on ``meta``: one ``titan_muon/compiled_call`` range for the
-    call, a ``fused`` range per block inside it (inductor compiles a list to one kernel per block,
+    call, a kernel's range per block inside it (inductor compiles a list to one kernel per block,
     launched by one call)."""
 
     def marked(*args):
-        moved_again = block_fn.__name__.endswith("_")  # the first tensor is updated in place
         with torch.profiler.record_function("titan_muon/compiled_call"):
             for blocks in zip(*args[:lists]):
-                moved = sum(_size(t) for t in blocks) + sum(_size(a) for a in args[lists:]) + (_size(blocks[0]) if moved_again else 0)
-                with torch.profiler.record_function(f"titan_muon/fused:{moved}"):
-                    block_fn(*blocks, *args[lists:])
+                block_args = (*blocks, *args[lists:])
+                with _one_kernel_range(block_fn, block_args):
+                    block_fn(*block_args)
 
-    marked.__name__ = fn.__name__
     return marked
 
 
@@ -298,7 +304,7 @@ class Elementwise:
             over_lists = lambda fn, block_fn, lists: fn  # noqa: E731
         elif device_type == "meta":
             wrap = _marked_as_one_kernel
-            over_lists = lambda fn, block_fn, lists: _in_chunks(_marked_as_one_call(fn, block_fn, lists), lists)  # noqa: E731
+            over_lists = lambda fn, block_fn, lists: _in_chunks(_marked_as_one_call(block_fn, lists), lists)  # noqa: E731
         else:
             wrap = lambda fn: torch.compile(fn, dynamic=True, fullgraph=True)  # noqa: E731
             over_lists = lambda fn, block_fn, lists: _in_chunks(wrap(fn), lists)  # noqa: E731
