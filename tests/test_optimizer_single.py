@@ -466,6 +466,34 @@ def test_compiled_passes_over_lists_of_blocks_equal_the_eager_ones():
         assert ((a - b).abs() <= 2 * eps32 * (w.abs() + 0.02 * 0.1 * r.abs())).all()
 
 
+def test_each_variant_of_a_compiled_list_pass_compiles_on_its_own():
+    """Dynamo allows 8 recompiles per code object and a pass compiles once per list length (five):
+    a second momentum β or wire dtype must not push some lengths onto the eager path. With the
+    limit at 1 and a hit made an error, calls of two lengths, two β and two wire dtypes must all
+    compile, and each still equals the eager pass (2·eps32·(|g| + |M|) per lerp, two lerps for the
+    Nesterov input; fp32 outputs; the bf16 one within its own rounding, eps_bf16·|out|, on top)."""
+    from titan_muon.algorithm.update import Elementwise
+
+    eager, compiled = Elementwise(compiled=False), Elementwise(compiled=True, device_type="cpu")
+    gen = torch.Generator().manual_seed(9)
+    eps32 = torch.finfo(torch.float32).eps
+    with torch._dynamo.config.patch(recompile_limit=1, fail_on_recompile_limit_hit=True):
+        for blocks, beta, wire in [(1, 0.9, torch.float32), (1, 0.95, torch.float32), (1, 0.95, torch.bfloat16), (2, 0.95, torch.float32)]:
+            grads = [torch.randn(6, 4, generator=gen) for _ in range(blocks)]
+            momenta = [torch.randn(6, 4, generator=gen) for _ in range(blocks)]
+            results = []
+            for passes in (eager, compiled):
+                outs, stored = [torch.empty(6, 4, dtype=wire) for _ in range(blocks)], [m.clone() for m in momenta]
+                passes.momenta_and_nesterov_inputs_(stored, outs, grads, beta, True)
+                results.append((outs, stored))
+            (outs_a, stored_a), (outs_b, stored_b) = results
+            for a, b, sa, sb, g, m in zip(outs_a, outs_b, stored_a, stored_b, grads, momenta):
+                bound = 2 * eps32 * (g.abs() + m.abs())
+                assert ((sa - sb).abs() <= bound).all()
+                rounding = torch.finfo(wire).eps * a.float().abs() if wire != torch.float32 else 0
+                assert ((a.float() - b.float()).abs() <= 2 * bound + rounding).all(), (blocks, beta, wire)
+
+
 @pytest.mark.parametrize("weight_decay", [0.1, 1e-13, 0.0])
 def test_the_commit_from_returned_updates_is_decay_and_step(weight_decay):
     """Owners return R = U·commit_scale(wd) (−U/wd where the decay is folded, U below

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 import struct
+import types
 
 import torch
 from torch import Tensor
@@ -183,10 +184,6 @@ def _add_squares(squares: Tensor, x: Tensor) -> None:
     squares.add_((x * x).sum())
 
 
-# The list forms below are written out one by one, not made by one factory: dynamo keeps its
-# compiled graphs, and its limit of 8 recompiles, per code object, which a factory's closures share.
-
-
 def momenta_and_nesterov_inputs_(momenta: list[Tensor], outs: list[Tensor], grads: list[Tensor], beta: float, nesterov: bool) -> None:
     """momentum_and_nesterov_input_ on each block of the lists (one compiled call for them all)."""
     for momentum, out, grad in zip(momenta, outs, grads):
@@ -224,8 +221,9 @@ def lerp_steps_measured_(params: list[Tensor], returned: list[Tensor], weight: T
 # step has a block per matrix on every rank: compiled passes take their blocks in lists, up to
 # COMPILED_LIST per call. Dynamo compiles once per list length, so lists come in the lengths of
 # CALL_SIZES, whose binary split of a round's blocks makes the fewest calls: five graphs per pass.
-# Dynamo recompiles a function at most 8 times, so where a second variant joins (another momentum
-# β, another dtype) some of its lengths run eagerly: the same numbers, more kernels.
+# Dynamo keeps its graphs, and its limit of 8 recompiles, per code object: each variant of a call
+# (length, dtypes, β, Nesterov) gets a copy of the pass with a code object of its own
+# (_compiled_in_chunks), else a second β or dtype would pass the limit and run eagerly.
 CALL_SIZES = (16, 8, 4, 2, 1)
 COMPILED_LIST = CALL_SIZES[0]
 
@@ -283,12 +281,38 @@ def _marked_as_one_call(block_fn, lists: int):
     return marked
 
 
-def _in_chunks(compiled_fn, lists: int):
-    """compiled_fn called on call_chunks of its first `lists` arguments (lists of blocks)."""
+def _in_chunks(fn, lists: int):
+    """fn called on call_chunks of its first `lists` arguments (lists of blocks)."""
 
     def chunked(*args):
         for chunk in call_chunks(len(args[0])):
-            compiled_fn(*(a[chunk] for a in args[:lists]), *args[lists:])
+            fn(*(a[chunk] for a in args[:lists]), *args[lists:])
+
+    return chunked
+
+
+def _with_own_code(fn):
+    """A copy of `fn` whose code object is its own (dynamo's graph cache lives on the code object)."""
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+
+
+def _compiled_in_chunks(fn, lists: int, compile_fn):
+    """_in_chunks of compiled copies of `fn`, one per variant of a call: its length, the dtypes of
+    its lists (their first blocks': a list mixing dtypes recompiles within its copy) and its
+    Python scalars (tensor scalars are fp32 0-dim). Each copy then compiles once, and no variant
+    can exhaust another's recompile limit."""
+    copies = {}
+
+    def chunked(*args):
+        scalars = args[lists:]
+        constants = tuple(s for s in scalars if not isinstance(s, Tensor))
+        for chunk in call_chunks(len(args[0])):
+            blocks = [a[chunk] for a in args[:lists]]
+            key = (chunk.stop - chunk.start, constants, *(block[0].dtype for block in blocks))
+            compiled = copies.get(key)
+            if compiled is None:
+                compiled = copies[key] = compile_fn(_with_own_code(fn))
+            compiled(*blocks, *scalars)
 
     return chunked
 
@@ -307,7 +331,7 @@ class Elementwise:
             over_lists = lambda fn, block_fn, lists: _in_chunks(_marked_as_one_call(block_fn, lists), lists)  # noqa: E731
         else:
             wrap = lambda fn: torch.compile(fn, dynamic=True, fullgraph=True)  # noqa: E731
-            over_lists = lambda fn, block_fn, lists: _in_chunks(wrap(fn), lists)  # noqa: E731
+            over_lists = lambda fn, block_fn, lists: _compiled_in_chunks(fn, lists, wrap)  # noqa: E731
         self.nesterov_input_and_momentum_into = wrap(nesterov_input_and_momentum_into)
         self.momentum_update_ = wrap(momentum_update_)
         # Each takes lists of blocks (then the scalars): one compiled call per chunk of them.
