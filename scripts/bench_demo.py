@@ -609,11 +609,10 @@ def reach(muon: dict, adamw: dict, steps: int) -> dict:
 
 
 def machine() -> str:
-    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                  if line.startswith("model name")), platform.processor())  # fmt: skip
     import torch
+    from bench_optimizer import cpu_name
 
-    return f"{model}, {os.cpu_count()} cores, torch {torch.__version__}, Python {platform.python_version()}"
+    return f"{cpu_name()}, {os.cpu_count()} cores, torch {torch.__version__}, Python {platform.python_version()}"
 
 
 def table(summary: dict) -> str:

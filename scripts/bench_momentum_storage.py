@@ -21,7 +21,6 @@ import argparse
 import datetime
 import importlib.util
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -34,6 +33,8 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+sys.path.insert(0, str(REPO / "scripts"))
+from bench_optimizer import cpu_name  # noqa: E402
 from titan_muon.state.momentum import momentum_storage, rounding_noise  # noqa: E402
 
 STORAGES = {
@@ -43,13 +44,6 @@ STORAGES = {
     "fp8": dict(momentum_dtype="fp8"),
     "fp8 nearest": dict(momentum_dtype="fp8", rounding="nearest"),
 }
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown"
 
 
 def seconds(fn) -> float:
@@ -81,10 +75,14 @@ def time_storages(rows: int, cols: int, repeats: int) -> dict[str, float]:
 
 
 def load_baseline(revision: str):
-    """titan_muon/state/momentum.py as of `revision`, imported as a separate module."""
-    source = subprocess.run(
-        ["git", "-C", str(REPO), "show", f"{revision}:titan_muon/state/momentum.py"], check=True, capture_output=True, text=True
-    ).stdout
+    """The momentum storage module as of `revision` (titan_muon/state/momentum.py, titan_muon/state.py
+    before the folders of wave 4), imported as a separate module."""
+    for path in ("titan_muon/state/momentum.py", "titan_muon/state.py"):
+        shown = subprocess.run(["git", "-C", str(REPO), "show", f"{revision}:{path}"], capture_output=True, text=True)
+        if shown.returncode == 0:
+            break
+    shown.check_returncode()
+    source = shown.stdout.replace("from titan_muon.update import", "from titan_muon.algorithm.update import")  # moved since
     path = Path(tempfile.mkdtemp()) / "baseline_state.py"
     path.write_text(source)
     spec = importlib.util.spec_from_file_location("baseline_state", path)
@@ -128,7 +126,7 @@ def main() -> None:
 
     print(f"Command: python scripts/bench_momentum_storage.py {' '.join(sys.argv[1:])}".strip())
     huge_pages = os.environ.get("THP_MEM_ALLOC_ENABLE", "0")
-    print(f"{cpu_model()}, {torch.get_num_threads()} threads, torch {torch.__version__}, THP_MEM_ALLOC_ENABLE={huge_pages}, {datetime.date.today()}")
+    print(f"{cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}, THP_MEM_ALLOC_ENABLE={huge_pages}, {datetime.date.today()}")
     print(f"shard {args.rows} x {args.cols} fp32 ({args.rows * args.cols * 4 / 2**20:.0f} MiB), median of {args.repeats} rounds\n")
 
     medians = time_storages(args.rows, args.cols, args.repeats)

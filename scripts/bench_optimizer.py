@@ -121,8 +121,9 @@ def _gloo_rank(rank, world, port, fn, args, out_dir):
 
 def cpu_name() -> str:
     """The CPU's model name, for the machine line of a benchmark's report."""
-    with open("/proc/cpuinfo") as f:
-        return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), platform.processor() or "?")
+    cpuinfo = Path("/proc/cpuinfo")
+    lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else []  # Linux only
+    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), platform.processor() or "?")
 
 
 def run_on_ranks(fn, world: int, args) -> list:

@@ -43,7 +43,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_optimizer import ROOT, run_on_ranks, write_section  # noqa: E402
+from bench_optimizer import ROOT, cpu_name, run_on_ranks, write_section  # noqa: E402
 
 from titan_muon import Muon, build_param_groups  # noqa: E402
 from titan_muon.algorithm.update import local_shard  # noqa: E402
@@ -216,7 +216,7 @@ def main():
                 f"| {tokens} | {mode} | {1e3 * step:.0f} | {ratio} | {1e3 * median(mode, 'fwd_bwd'):.0f} | {1e3 * opt:.0f} "
                 f"| {1e3 * ns:.0f} ({100 * ns / step:.0f} %) | {' | '.join(beyond)} | {comm} | {peak} | {state:.2f} |"
             )
-    cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
+    cpu = cpu_name()
     command = "python scripts/bench_training.py " + " ".join(sys.argv[1:])
     report = "\n".join([
         f"## Training step, {args.flavor} (scripts/bench_training.py)",

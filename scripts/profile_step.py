@@ -30,7 +30,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_optimizer import ROOT, run_on_ranks, write_section  # noqa: E402
+from bench_optimizer import ROOT, cpu_name, run_on_ranks, write_section  # noqa: E402
 from bench_training import FLAVORS, MALLOC_SETTINGS, beyond_ns, build, optimizer_for, use_malloc  # noqa: E402
 
 PHASES = (
@@ -124,7 +124,7 @@ def main():
         if any(c != "0.0" for c in cells):
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
 
-    cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
+    cpu = cpu_name()
     tokens = args.world * args.batch * args.seq * args.accum
     command = "python scripts/profile_step.py " + " ".join(sys.argv[1:])
     section = f"## Step breakdown, {args.flavor}, {args.mode}, {tokens} tokens per step (scripts/profile_step.py)"
