@@ -21,12 +21,13 @@ holds both forms. The eager one is the reference and runs by default off CUDA (c
 ~20 s per list length on a CPU and gains less there: on the ~100M model at W = 2 it took the packing
 from 61–66 to 55–57 ms per rank and the commit not at all, scripts/bench_beyond_ns.py, 2026-11-28); the compiled one computes the same
 formulas up to fp32 rounding (the compiler may contract a multiply and an add into one fused
-multiply-add). Scalars that change between steps (learning rate, decay) enter as 0-dim device
-tensors, so a schedule never recompiles, and shapes are dynamic, so uneven shards share a kernel.
+multiply-add). Scalars that change between steps (learning rate, decay, momentum β) enter as 0-dim
+device tensors, so a schedule never recompiles, and shapes are dynamic, so uneven shards share a kernel.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import struct
 import types
@@ -119,7 +120,7 @@ def _into(out: Tensor, value_fn, *args) -> None:
         out.copy_(value_fn(*args))
 
 
-def nesterov_input_into(out: Tensor, grad: Tensor, momentum: Tensor, beta: float, nesterov: bool) -> None:
+def nesterov_input_into(out: Tensor, grad: Tensor, momentum: Tensor, beta: float | Tensor, nesterov: bool) -> None:
     """out ← the Nesterov input g + β(lerp(M, g, 1−β) − g) (or lerp(M, g, 1−β) without Nesterov),
     in out's dtype (the wire's), rounded once; `momentum` is left as it is."""
     grad = grad.float()
@@ -129,7 +130,7 @@ def nesterov_input_into(out: Tensor, grad: Tensor, momentum: Tensor, beta: float
     _into(out, torch.lerp, grad, torch.lerp(momentum, grad, 1 - beta), beta)
 
 
-def nesterov_input_and_momentum_into(out: Tensor, grad: Tensor, momentum: Tensor, beta: float, nesterov: bool) -> Tensor:
+def nesterov_input_and_momentum_into(out: Tensor, grad: Tensor, momentum: Tensor, beta: float | Tensor, nesterov: bool) -> Tensor:
     """The same into `out`; returns the new momentum lerp(M, g, 1−β) (a new fp32 tensor)."""
     grad = grad.float()
     new = torch.lerp(momentum, grad, 1 - beta)
@@ -140,7 +141,7 @@ def nesterov_input_and_momentum_into(out: Tensor, grad: Tensor, momentum: Tensor
     return new
 
 
-def momentum_and_nesterov_input_(momentum: Tensor, out: Tensor, grad: Tensor, beta: float, nesterov: bool) -> None:
+def momentum_and_nesterov_input_(momentum: Tensor, out: Tensor, grad: Tensor, beta: float | Tensor, nesterov: bool) -> None:
     """In place M ← lerp(M, g, 1−β), and out ← the Nesterov input from it, in one pass: the same
     values as nesterov_input_into followed by momentum_update_ (commit="streaming" only: the
     momentum is written before the ranks agree)."""
@@ -152,7 +153,7 @@ def momentum_and_nesterov_input_(momentum: Tensor, out: Tensor, grad: Tensor, be
         out.copy_(momentum)
 
 
-def momentum_update_(momentum: Tensor, grad: Tensor, beta: float) -> None:
+def momentum_update_(momentum: Tensor, grad: Tensor, beta: float | Tensor) -> None:
     """In place: M ← lerp(M, g, 1 − β), the lerp the Nesterov input used."""
     momentum.lerp_(grad.float(), 1 - beta)
 
@@ -184,13 +185,13 @@ def _add_squares(squares: Tensor, x: Tensor) -> None:
     squares.add_((x * x).sum())
 
 
-def momenta_and_nesterov_inputs_(momenta: list[Tensor], outs: list[Tensor], grads: list[Tensor], beta: float, nesterov: bool) -> None:
+def momenta_and_nesterov_inputs_(momenta: list[Tensor], outs: list[Tensor], grads: list[Tensor], beta: float | Tensor, nesterov: bool) -> None:
     """momentum_and_nesterov_input_ on each block of the lists (one compiled call for them all)."""
     for momentum, out, grad in zip(momenta, outs, grads):
         momentum_and_nesterov_input_(momentum, out, grad, beta, nesterov)
 
 
-def nesterov_inputs_into(outs: list[Tensor], grads: list[Tensor], momenta: list[Tensor], beta: float, nesterov: bool) -> None:
+def nesterov_inputs_into(outs: list[Tensor], grads: list[Tensor], momenta: list[Tensor], beta: float | Tensor, nesterov: bool) -> None:
     """nesterov_input_into on each block of the lists."""
     for out, grad, momentum in zip(outs, grads, momenta):
         nesterov_input_into(out, grad, momentum, beta, nesterov)
@@ -222,8 +223,9 @@ def lerp_steps_measured_(params: list[Tensor], returned: list[Tensor], weight: T
 # COMPILED_LIST per call. Dynamo compiles once per list length, so lists come in the lengths of
 # CALL_SIZES, whose binary split of a round's blocks makes the fewest calls: five graphs per pass.
 # Dynamo keeps its graphs, and its limit of 8 recompiles, per code object: each variant of a call
-# (length, dtypes, β, Nesterov) gets a copy of the pass with a code object of its own
-# (_compiled_in_chunks), else a second β or dtype would pass the limit and run eagerly.
+# (length, dtypes, Nesterov) gets a copy of the pass with a code object of its own
+# (_compiled_in_chunks), else a second dtype would pass the limit and run eagerly; β goes as a
+# tensor, so that a momentum schedule compiles nothing after its first step.
 CALL_SIZES = (16, 8, 4, 2, 1)
 COMPILED_LIST = CALL_SIZES[0]
 
@@ -296,22 +298,45 @@ def _with_own_code(fn):
     return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
 
 
-def _compiled_in_chunks(fn, lists: int, compile_fn):
+@functools.lru_cache(maxsize=64)
+def _scalar_tensor(value: float, device: torch.device) -> Tensor:
+    """A Python float (momentum β) as the 0-dim fp32 tensor a compiled pass takes instead: dynamo
+    would compile a graph per value (a momentum warm-up: one per step), a tensor's value is no
+    part of the graph. Never written: one per value and device serves every call."""
+    return torch.full((), value, dtype=torch.float32, device=device)
+
+
+def _floats_as_tensors(args: tuple, device: torch.device) -> tuple:
+    return tuple(_scalar_tensor(a, device) if isinstance(a, float) else a for a in args)
+
+
+def _compiled_one_block(fn):
+    compiled = torch.compile(fn, dynamic=True, fullgraph=True)
+
+    def call(*args):
+        return compiled(*_floats_as_tensors(args, args[0].device))
+
+    return call
+
+
+def _compiled_in_chunks(fn, lists: int):
     """_in_chunks of compiled copies of `fn`, one per variant of a call: its length, the dtypes of
     its lists (their first blocks': a list mixing dtypes recompiles within its copy) and its
-    Python scalars (tensor scalars are fp32 0-dim). Each copy then compiles once, and no variant
-    can exhaust another's recompile limit."""
+    non-float Python scalars (Nesterov; floats go as tensors: _scalar_tensor). Each copy then
+    compiles once, and no variant can exhaust another's recompile limit."""
     copies = {}
 
     def chunked(*args):
-        scalars = args[lists:]
+        if not args[0]:
+            return
+        scalars = _floats_as_tensors(args[lists:], args[0][0].device)
         constants = tuple(s for s in scalars if not isinstance(s, Tensor))
         for chunk in call_chunks(len(args[0])):
             blocks = [a[chunk] for a in args[:lists]]
             key = (chunk.stop - chunk.start, constants, *(block[0].dtype for block in blocks))
             compiled = copies.get(key)
             if compiled is None:
-                compiled = copies[key] = compile_fn(_with_own_code(fn))
+                compiled = copies[key] = torch.compile(_with_own_code(fn), dynamic=True, fullgraph=True)
             compiled(*blocks, *scalars)
 
     return chunked
@@ -330,8 +355,8 @@ class Elementwise:
             wrap = _marked_as_one_kernel
             over_lists = lambda fn, block_fn, lists: _in_chunks(_marked_as_one_call(block_fn, lists), lists)  # noqa: E731
         else:
-            wrap = lambda fn: torch.compile(fn, dynamic=True, fullgraph=True)  # noqa: E731
-            over_lists = lambda fn, block_fn, lists: _compiled_in_chunks(fn, lists, wrap)  # noqa: E731
+            wrap = _compiled_one_block
+            over_lists = lambda fn, block_fn, lists: _compiled_in_chunks(fn, lists)  # noqa: E731
         self.nesterov_input_and_momentum_into = wrap(nesterov_input_and_momentum_into)
         self.momentum_update_ = wrap(momentum_update_)
         # Each takes lists of blocks (then the scalars): one compiled call per chunk of them.
