@@ -84,7 +84,7 @@ class GatherEverythingMuon:
         for p, buf in zip(self.params, self.momentum):
             local = torch.empty_like(buf)
             self.elementwise.nesterov_inputs_into([local], [p.grad.to_local()], [buf], self.mu, True)
-            self.elementwise.momentum_update_(buf, p.grad.to_local(), self.mu)
+            self.elementwise.momentum_updates_([buf], [p.grad.to_local()], self.mu)
             rows, cols = p.shape
             chunk = -(-rows // world)
             padded = torch.zeros(chunk, cols)

@@ -368,7 +368,7 @@ def test_owner_nesterov_helper_matches_the_step_and_commit_rules(nesterov):
     eager.nesterov_inputs_into([expected], [grad], [momentum], 0.95, nesterov)
     assert torch.equal(out, expected)
     stored = momentum.clone()
-    eager.momentum_update_(stored, grad, 0.95)
+    eager.momentum_updates_([stored], [grad], 0.95)
     assert torch.equal(new, stored)
 
 
@@ -400,8 +400,8 @@ def test_compiled_elementwise_passes_equal_the_eager_ones():
                 new_b = compiled.nesterov_input_and_momentum_into(b, grad, momentum, 0.95, nesterov)
                 assert ((new_a - new_b).abs() <= scale).all()
         stored_a, stored_b = momentum.clone(), momentum.clone()
-        eager.momentum_update_(stored_a, grad, 0.95)
-        compiled.momentum_update_(stored_b, grad, 0.95)
+        eager.momentum_updates_([stored_a], [grad], 0.95)
+        compiled.momentum_updates_([stored_b], [grad], 0.95)
         assert ((stored_a - stored_b).abs() <= scale).all()
         # The commit from R = U·commit_scale(wd) = −U/wd as owners return it: lerp(W, R, lr·wd)
         # compiled, a multiply and an add eagerly for a bf16 R (lerp takes one dtype) and one

@@ -107,11 +107,15 @@ def commit(storage, entries, owner_entries, state: dict, work: StepWork, element
         if "step" in state[entry.param]:
             state[entry.param]["step"] += 1
     if storage.name == "fp32":
+        per_beta: dict[float, tuple[list[Tensor], list[Tensor]]] = {}  # one list pass per momentum β
         for entry in entries:
             if entry.index in work.momentum_written:
                 continue
-            grad = work.grads32.get(entry.index, local_shard(entry.param.grad))
-            elementwise.momentum_update_(local_shard(state[entry.param]["momentum_buffer"]), grad, entry.group["momentum"])
+            momenta, grads = per_beta.setdefault(entry.group["momentum"], ([], []))
+            momenta.append(local_shard(state[entry.param]["momentum_buffer"]))
+            grads.append(work.grads32.get(entry.index, local_shard(entry.param.grad)))
+        for beta, (momenta, grads) in per_beta.items():
+            elementwise.momentum_updates_(momenta, grads, beta)
     apply_updates(work.updates, elementwise, work)
 
 

@@ -197,6 +197,12 @@ def nesterov_inputs_into(outs: list[Tensor], grads: list[Tensor], momenta: list[
         nesterov_input_into(out, grad, momentum, beta, nesterov)
 
 
+def momentum_updates_(momenta: list[Tensor], grads: list[Tensor], beta: float | Tensor) -> None:
+    """momentum_update_ on each block of the lists."""
+    for momentum, grad in zip(momenta, grads):
+        momentum_update_(momentum, grad, beta)
+
+
 def decay_and_steps_(params: list[Tensor], updates: list[Tensor], decay: Tensor, lr: Tensor) -> None:
     for param, update in zip(params, updates):
         decay_and_step_(param, update, decay, lr)
@@ -358,10 +364,10 @@ class Elementwise:
             wrap = _compiled_one_block
             over_lists = lambda fn, block_fn, lists: _compiled_in_chunks(fn, lists)  # noqa: E731
         self.nesterov_input_and_momentum_into = wrap(nesterov_input_and_momentum_into)
-        self.momentum_update_ = wrap(momentum_update_)
         # Each takes lists of blocks (then the scalars): one compiled call per chunk of them.
         self.momenta_and_nesterov_inputs_ = over_lists(momenta_and_nesterov_inputs_, momentum_and_nesterov_input_, 3)
         self.nesterov_inputs_into = over_lists(nesterov_inputs_into, nesterov_input_into, 3)
+        self.momentum_updates_ = over_lists(momentum_updates_, momentum_update_, 2)
         self._decay_and_steps_ = over_lists(decay_and_steps_, decay_and_step_, 2)
         self._lerp_steps_ = over_lists(lerp_steps_, lerp_step_, 2)
         self._decay_and_steps_measured_ = over_lists(decay_and_steps_measured_, decay_and_step_measured_, 2)
