@@ -468,7 +468,7 @@ def test_compiled_passes_over_lists_of_blocks_equal_the_eager_ones():
         assert ((a - b).abs() <= 2 * eps32 * (w.abs() + 0.02 * 0.1 * r.abs())).all()
 
 
-def test_each_variant_of_a_compiled_list_pass_compiles_once():
+def test_each_variant_of_a_compiled_list_pass_compiles_once(monkeypatch):
     """Dynamo allows 8 recompiles per code object and a pass compiles once per list length (five):
     a second wire dtype must not push some lengths onto the eager path, and a momentum schedule
     (a new β every step, as in a momentum warm-up) must not compile at all after its first step.
@@ -477,8 +477,12 @@ def test_each_variant_of_a_compiled_list_pass_compiles_once():
     the Nesterov input; fp32 outputs; the bf16 one within its own rounding, eps_bf16·|out|, on top;
     and the weight: the compiled pass computes 1 − β from fp32 β, exactly for β ≥ ½, where the
     eager one rounds 1 − β once; they differ by ≤ eps32/2, the lerp then by ≤ eps32/2·|g − M|)."""
+    from titan_muon.algorithm import update
     from titan_muon.algorithm.update import Elementwise
 
+    # copies of its own (the process shares them): one compiled by another test for outputs at
+    # a storage offset ≥ 2 would recompile once for these at offset 0 (dynamo's 0/1 specialization)
+    monkeypatch.setattr(update, "_COMPILED_COPIES", {})
     eager, compiled = Elementwise(compiled=False), Elementwise(compiled=True, device_type="cpu")
     gen = torch.Generator().manual_seed(9)
     eps32 = torch.finfo(torch.float32).eps
@@ -498,6 +502,12 @@ def test_each_variant_of_a_compiled_list_pass_compiles_once():
                 assert ((sa - sb).abs() <= bound).all()
                 rounding = torch.finfo(wire).eps * a.float().abs() if wire != torch.float32 else 0
                 assert ((a.float() - b.float()).abs() <= 2 * bound + rounding).all(), (blocks, beta, wire)
+        # another optimizer's passes (a second model part on this rank) use the same compiled copies
+        copies = dict(update._COMPILED_COPIES)
+        assert len(copies) == 3  # (length, wire dtype): (1, fp32), (1, bf16), (2, fp32); β in none
+        another = Elementwise(compiled=True, device_type="cpu")
+        another.momenta_and_nesterov_inputs_([torch.randn(6, 4)], [torch.empty(6, 4)], [torch.randn(6, 4)], 0.8, True)
+        assert update._COMPILED_COPIES == copies
 
 
 @pytest.mark.parametrize("weight_decay", [0.1, 1e-13, 0.0])

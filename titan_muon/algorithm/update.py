@@ -325,12 +325,16 @@ def _compiled_one_block(fn):
     return call
 
 
+# (pass, length, Python scalars, dtypes) -> its compiled copy, shared by every optimizer in the
+# process (several model parts per rank: each Muon has its own Elementwise)
+_COMPILED_COPIES: dict[tuple, object] = {}
+
+
 def _compiled_in_chunks(fn, lists: int):
     """_in_chunks of compiled copies of `fn`, one per variant of a call: its length, the dtypes of
     its lists (their first blocks': a list mixing dtypes recompiles within its copy) and its
     non-float Python scalars (Nesterov; floats go as tensors: _scalar_tensor). Each copy then
     compiles once, and no variant can exhaust another's recompile limit."""
-    copies = {}
 
     def chunked(*args):
         if not args[0]:
@@ -339,10 +343,10 @@ def _compiled_in_chunks(fn, lists: int):
         constants = tuple(s for s in scalars if not isinstance(s, Tensor))
         for chunk in call_chunks(len(args[0])):
             blocks = [a[chunk] for a in args[:lists]]
-            key = (chunk.stop - chunk.start, constants, *(block[0].dtype for block in blocks))
-            compiled = copies.get(key)
+            key = (fn, chunk.stop - chunk.start, constants, *(block[0].dtype for block in blocks))
+            compiled = _COMPILED_COPIES.get(key)
             if compiled is None:
-                compiled = copies[key] = torch.compile(_with_own_code(fn), dynamic=True, fullgraph=True)
+                compiled = _COMPILED_COPIES[key] = torch.compile(_with_own_code(fn), dynamic=True, fullgraph=True)
             compiled(*blocks, *scalars)
 
     return chunked
