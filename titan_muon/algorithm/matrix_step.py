@@ -25,7 +25,7 @@ from torch import Tensor
 from titan_muon.algorithm.commit import StepWork, apply_updates, staged_state
 from titan_muon.algorithm.newton_schulz import Pieces
 from titan_muon.algorithm.orthogonalizer import Orthogonalizer
-from titan_muon.algorithm.update import Elementwise, coalesce
+from titan_muon.algorithm.update import COMPILED_LIST, Elementwise, coalesce
 from titan_muon.buffers import Buffers, cut_bytes
 from titan_muon.exchange.engine import ExchangeEngine, MemoryAccount, ReturnSlots, StepFailure
 from titan_muon.exchange.params import MuonParam
@@ -201,6 +201,21 @@ class MatrixStep:
         it. c undoes what happened to the gradient after it was sent during backward (gradient
         clipping), 1 if sent in step(). A matrix without gradients keeps its momentum."""
         out = torch.empty_like(gradients)
+        # One pass per list of blocks (a batch is one shape of one param group: one β, one Nesterov);
+        # momentum decoded from bf16/fp8 storage is a copy, held one block at a time.
+        per_list = COMPILED_LIST if self.storage.name == "fp32" else 1
+        pending: list[tuple[Tensor, Tensor, Tensor, int]] = []
+        group = self.params[engine.units[units[0]].param].group if units else None
+
+        def flush() -> None:
+            slots, grads, momenta, held = (list(column) for column in zip(*pending))
+            news = self.elementwise.nesterov_inputs_and_momenta_into(slots, grads, momenta, group["momentum"], group["nesterov"])
+            for u, new in zip(held, news):
+                unit, state = engine.units[u], self.owner_blocks[(s, u)]
+                first_row = unit.matrix * self.params[unit.param].param.shape[-2] + unit.row_start
+                self.work.staged.append((state, staged_state(self.storage, state, new, unit.param, first_row, self.work.memory)))
+            pending.clear()
+
         for u, grad, slot in zip(units, gradients.unbind(0), out.unbind(0)):
             unit = engine.units[u]
             entry = self.params[unit.param]
@@ -210,11 +225,11 @@ class MatrixStep:
             c = scales.get(unit.param, 1.0)
             if c != 1.0:
                 grad.mul_(c)  # `gradients` is this batch's own assembled copy
-            state = self.owner_blocks[(s, u)]
-            momentum = self.storage.load(state)
-            new = self.elementwise.nesterov_input_and_momentum_into(slot, grad, momentum, entry.group["momentum"], entry.group["nesterov"])
-            first_row = unit.matrix * entry.param.shape[-2] + unit.row_start
-            self.work.staged.append((state, staged_state(self.storage, state, new, unit.param, first_row, self.work.memory)))
+            pending.append((slot, grad, self.storage.load(self.owner_blocks[(s, u)]), u))
+            if len(pending) == per_list:
+                flush()
+        if pending:
+            flush()
         return out.to(self.comm_dtype).float() if self.comm_dtype != torch.float32 else out
 
 

@@ -197,6 +197,12 @@ def nesterov_inputs_into(outs: list[Tensor], grads: list[Tensor], momenta: list[
         nesterov_input_into(out, grad, momentum, beta, nesterov)
 
 
+def nesterov_inputs_and_momenta_into(outs: list[Tensor], grads: list[Tensor], momenta: list[Tensor], beta: float | Tensor,
+                                     nesterov: bool) -> list[Tensor]:  # fmt: skip
+    """nesterov_input_and_momentum_into on each block of the lists; returns the new momenta."""
+    return [nesterov_input_and_momentum_into(out, grad, momentum, beta, nesterov) for out, grad, momentum in zip(outs, grads, momenta)]
+
+
 def momentum_updates_(momenta: list[Tensor], grads: list[Tensor], beta: float | Tensor) -> None:
     """momentum_update_ on each block of the lists."""
     for momentum, grad in zip(momenta, grads):
@@ -262,39 +268,33 @@ def _one_kernel_range(fn, args) -> torch.profiler.record_function:
     return torch.profiler.record_function(f"titan_muon/fused:{moved}")
 
 
-def _marked_as_one_kernel(fn):
-    """`fn` run eagerly inside a ``titan_muon/compiled_call`` profiler range holding its one
-    kernel's range. On ``meta`` there is no compiler: this is how a trace of the step
-    (scripts/step_trace.py) sees the passes a GPU runs, and what each call costs its host."""
-
-    def marked(*args):
-        with torch.profiler.record_function("titan_muon/compiled_call"), _one_kernel_range(fn, args):
-            return fn(*args)
-
-    return marked
-
-
 def _marked_as_one_call(block_fn, lists: int):
     """The list form of `block_fn` on ``meta``: one ``titan_muon/compiled_call`` range for the
     call, a kernel's range per block inside it (inductor compiles a list to one kernel per block,
-    launched by one call)."""
+    launched by one call). On ``meta`` there is no compiler: this is how a trace of the step
+    (scripts/step_trace.py) sees the passes a GPU runs, and what each call costs its host."""
 
     def marked(*args):
+        results = []
         with torch.profiler.record_function("titan_muon/compiled_call"):
             for blocks in zip(*args[:lists]):
                 block_args = (*blocks, *args[lists:])
                 with _one_kernel_range(block_fn, block_args):
-                    block_fn(*block_args)
+                    results.append(block_fn(*block_args))
+        return results
 
     return marked
 
 
 def _in_chunks(fn, lists: int):
-    """fn called on call_chunks of its first `lists` arguments (lists of blocks)."""
+    """fn called on call_chunks of its first `lists` arguments (lists of blocks); what the calls
+    return (lists, one item per block), concatenated."""
 
     def chunked(*args):
+        results = []
         for chunk in call_chunks(len(args[0])):
-            fn(*(a[chunk] for a in args[:lists]), *args[lists:])
+            results += fn(*(a[chunk] for a in args[:lists]), *args[lists:]) or []
+        return results
 
     return chunked
 
@@ -316,15 +316,6 @@ def _floats_as_tensors(args: tuple, device: torch.device) -> tuple:
     return tuple(_scalar_tensor(a, device) if isinstance(a, float) else a for a in args)
 
 
-def _compiled_one_block(fn):
-    compiled = torch.compile(fn, dynamic=True, fullgraph=True)
-
-    def call(*args):
-        return compiled(*_floats_as_tensors(args, args[0].device))
-
-    return call
-
-
 # (pass, length, Python scalars, dtypes) -> its compiled copy, shared by every optimizer in the
 # process (several model parts per rank: each Muon has its own Elementwise)
 _COMPILED_COPIES: dict[tuple, object] = {}
@@ -337,8 +328,9 @@ def _compiled_in_chunks(fn, lists: int):
     compiles once, and no variant can exhaust another's recompile limit."""
 
     def chunked(*args):
+        results = []
         if not args[0]:
-            return
+            return results
         scalars = _floats_as_tensors(args[lists:], args[0][0].device)
         constants = tuple(s for s in scalars if not isinstance(s, Tensor))
         for chunk in call_chunks(len(args[0])):
@@ -347,7 +339,8 @@ def _compiled_in_chunks(fn, lists: int):
             compiled = _COMPILED_COPIES.get(key)
             if compiled is None:
                 compiled = _COMPILED_COPIES[key] = torch.compile(_with_own_code(fn), dynamic=True, fullgraph=True)
-            compiled(*blocks, *scalars)
+            results += compiled(*blocks, *scalars) or []
+        return results
 
     return chunked
 
@@ -359,18 +352,15 @@ class Elementwise:
     def __init__(self, compiled: bool, device_type: str = "cuda"):
         self.compiled = compiled
         if not compiled:
-            wrap = lambda fn: fn  # noqa: E731
             over_lists = lambda fn, block_fn, lists: fn  # noqa: E731
         elif device_type == "meta":
-            wrap = _marked_as_one_kernel
             over_lists = lambda fn, block_fn, lists: _in_chunks(_marked_as_one_call(block_fn, lists), lists)  # noqa: E731
         else:
-            wrap = _compiled_one_block
             over_lists = lambda fn, block_fn, lists: _compiled_in_chunks(fn, lists)  # noqa: E731
-        self.nesterov_input_and_momentum_into = wrap(nesterov_input_and_momentum_into)
         # Each takes lists of blocks (then the scalars): one compiled call per chunk of them.
         self.momenta_and_nesterov_inputs_ = over_lists(momenta_and_nesterov_inputs_, momentum_and_nesterov_input_, 3)
         self.nesterov_inputs_into = over_lists(nesterov_inputs_into, nesterov_input_into, 3)
+        self.nesterov_inputs_and_momenta_into = over_lists(nesterov_inputs_and_momenta_into, nesterov_input_and_momentum_into, 3)
         self.momentum_updates_ = over_lists(momentum_updates_, momentum_update_, 2)
         self._decay_and_steps_ = over_lists(decay_and_steps_, decay_and_step_, 2)
         self._lerp_steps_ = over_lists(lerp_steps_, lerp_step_, 2)
