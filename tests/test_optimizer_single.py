@@ -510,6 +510,28 @@ def test_each_variant_of_a_compiled_list_pass_compiles_once(monkeypatch):
         assert update._COMPILED_COPIES == copies
 
 
+@pytest.mark.parametrize("commit", ["streaming", "atomic"])
+def test_a_compiled_step_equals_the_eager_one(commit):
+    """The whole step with compile_elementwise=True (every pass compiled, blocks in lists of the
+    step's own lengths) against the eager step. With momentum 0 the momentum is g and the Nesterov
+    input g exactly (lerp(M, g, 1) = g − (g − M)·0, lerp(g, M', 0) = g + 0·(M' − g), in either
+    form), so both orthogonalize the same matrices and differ by the commit's rounding alone:
+    2·eps32·(|W| + lr·|U|) per weight (the one-block test's bound), lr·|U| ≤ |W₁ − W₀| + lr·wd·|W₀|,
+    and eps32·|W₁| for estimating it from the eager W₁."""
+    params = make_params()
+    lr, weight_decay = 0.02, 0.1
+    runs = [run_titan(params, 1, set(SHAPES), lr=lr, weight_decay=weight_decay, momentum=0.0, commit=commit, compile_elementwise=compiled)
+            for compiled in (False, True)]  # fmt: skip
+    (eager, eager_opt), (compiled, compiled_opt) = runs
+    eps32 = torch.finfo(torch.float32).eps
+    for name, w0 in params.items():
+        step = (eager[name] - w0).abs()
+        bound = 2 * eps32 * ((1 + lr * weight_decay) * w0.abs() + step) + eps32 * eager[name].abs()
+        assert ((compiled[name] - eager[name]).abs() <= bound).all(), name
+    for a, b in zip(eager_opt.param_groups[0]["params"], compiled_opt.param_groups[0]["params"], strict=True):
+        assert torch.equal(eager_opt.state[a]["momentum_buffer"], compiled_opt.state[b]["momentum_buffer"])
+
+
 @pytest.mark.parametrize("weight_decay", [0.1, 1e-13, 0.0])
 def test_the_commit_from_returned_updates_is_decay_and_step(weight_decay):
     """Owners return R = U·commit_scale(wd) (−U/wd where the decay is folded, U below
