@@ -236,7 +236,7 @@ def lerp_steps_measured_(params: list[Tensor], returned: list[Tensor], weight: T
 # CALL_SIZES, whose binary split of a round's blocks makes the fewest calls: five graphs per pass.
 # Dynamo keeps its graphs, and its limit of 8 recompiles, per code object: each variant of a call
 # (length, dtypes, Nesterov) gets a copy of the pass with a code object of its own
-# (_compiled_in_chunks), else a second dtype would pass the limit and run eagerly; β goes as a
+# (_compiled_copies), else a second dtype would pass the limit and run eagerly; β goes as a
 # tensor, so that a momentum schedule compiles nothing after its first step.
 CALL_SIZES = (16, 8, 4, 2, 1)
 COMPILED_LIST = CALL_SIZES[0]
@@ -321,28 +321,22 @@ def _floats_as_tensors(args: tuple, device: torch.device) -> tuple:
 _COMPILED_COPIES: dict[tuple, object] = {}
 
 
-def _compiled_in_chunks(fn, lists: int):
-    """_in_chunks of compiled copies of `fn`, one per variant of a call: its length, the dtypes of
-    its lists (their first blocks': a list mixing dtypes recompiles within its copy) and its
-    non-float Python scalars (Nesterov; floats go as tensors: _scalar_tensor). Each copy then
-    compiles once, and no variant can exhaust another's recompile limit."""
+def _compiled_copies(fn, lists: int):
+    """`fn` compiled, one copy per variant of a call: its length, the dtypes of its lists (their
+    first blocks': a list mixing dtypes recompiles within its copy) and its non-float Python
+    scalars (Nesterov; floats go as tensors: _scalar_tensor). Each copy then compiles once, and no
+    variant can exhaust another's recompile limit."""
 
-    def chunked(*args):
-        results = []
-        if not args[0]:
-            return results
+    def call(*args):
         scalars = _floats_as_tensors(args[lists:], args[0][0].device)
         constants = tuple(s for s in scalars if not isinstance(s, Tensor))
-        for chunk in call_chunks(len(args[0])):
-            blocks = [a[chunk] for a in args[:lists]]
-            key = (fn, chunk.stop - chunk.start, constants, *(block[0].dtype for block in blocks))
-            compiled = _COMPILED_COPIES.get(key)
-            if compiled is None:
-                compiled = _COMPILED_COPIES[key] = torch.compile(_with_own_code(fn), dynamic=True, fullgraph=True)
-            results += compiled(*blocks, *scalars) or []
-        return results
+        key = (fn, len(args[0]), constants, *(blocks[0].dtype for blocks in args[:lists]))
+        compiled = _COMPILED_COPIES.get(key)
+        if compiled is None:
+            compiled = _COMPILED_COPIES[key] = torch.compile(_with_own_code(fn), dynamic=True, fullgraph=True)
+        return compiled(*args[:lists], *scalars)
 
-    return chunked
+    return call
 
 
 class Elementwise:
@@ -356,7 +350,7 @@ class Elementwise:
         elif device_type == "meta":
             over_lists = lambda fn, block_fn, lists: _in_chunks(_marked_as_one_call(block_fn, lists), lists)  # noqa: E731
         else:
-            over_lists = lambda fn, block_fn, lists: _compiled_in_chunks(fn, lists)  # noqa: E731
+            over_lists = lambda fn, block_fn, lists: _in_chunks(_compiled_copies(fn, lists), lists)  # noqa: E731
         # Each takes lists of blocks (then the scalars): one compiled call per chunk of them.
         self.momenta_and_nesterov_inputs_ = over_lists(momenta_and_nesterov_inputs_, momentum_and_nesterov_input_, 3)
         self.nesterov_inputs_into = over_lists(nesterov_inputs_into, nesterov_input_into, 3)
