@@ -65,12 +65,15 @@ def _overlapped(rank, world):
             _loss(model, _batches(s).chunk(world)[rank]).backward()
             opt.step()
         opt.zero_grad()
-    return {"account": opt.last_step_metrics["muon/peak_transient_bytes"], "slack": _model_slack(opt), "live": live.peak}
+    return {"account": opt.last_step_metrics["muon/peak_transient_bytes"], "slack": _model_slack(opt), "live": live.peak,
+            "late": live.released_elsewhere}
 
 
 def test_peak_transient_bytes_with_overlap_count_the_buffers_sent_in_backward():
     for result in run_distributed(_overlapped, 2):
-        assert result["live"] <= result["account"] <= result["live"] + result["slack"], result
+        # A storage gloo's worker thread released after the step had moved on may raise the
+        # peak by its own size at most ("late", usually 0): the account may be below that much.
+        assert result["live"] - result["late"] <= result["account"] <= result["live"] + result["slack"], result
 
 
 def test_newton_schulz_in_chunks_changes_no_weight_and_the_account_still_holds(monkeypatch):
