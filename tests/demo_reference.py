@@ -22,6 +22,22 @@ from titan_muon.algorithm.newton_schulz import orthogonalize
 from titan_muon.algorithm.update import update_scale
 
 
+def least_squares_problem(shapes, replicas, dtype, seed=20):
+    """Least squares per replica: loss_r(W) = |X_r W − Y_r|² / (2b), each replica its own batch;
+    returns the initial matrices and grads(current) -> one gradient dict per replica."""
+    g, b = torch.Generator().manual_seed(seed), 24
+    params = {f"w{k}": (0.1 * torch.randn(*s, generator=g)).to(dtype) for k, s in enumerate(shapes)}
+    data = [
+        {n: (torch.randn(b, p.shape[0], generator=g).to(dtype), torch.randn(b, p.shape[1], generator=g).to(dtype)) for n, p in params.items()}
+        for _ in range(replicas)
+    ]
+
+    def grads(current):
+        return [{n: x.T @ (x @ current[n] - y) / b for n, (x, y) in d.items()} for d in data]
+
+    return params, grads
+
+
 def reference_dct(size: int) -> torch.Tensor:
     """Orthonormal DCT-II, float64: row k is sqrt(2/N)·c_k·cos(π(2i+1)k/(2N)), c_0 = 1/√2."""
     rows = []

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from demo_reference import ReferenceDeMoMuon, chunk_corners, chunk_topk, kept_count, reference_dct, reference_send
+from demo_reference import ReferenceDeMoMuon, chunk_corners, chunk_topk, kept_count, least_squares_problem, reference_dct, reference_send
 
 from titan_muon.algorithm.newton_schulz import orthogonalize
 from titan_muon.algorithm.update import update_scale
@@ -248,21 +248,6 @@ def test_average_decoded_is_the_mean_of_decodes():
 # ------------------------------------------------------------------ the pipeline vs the reference
 
 
-def _problem(shapes, replicas, dtype, seed=20):
-    """Least squares per replica: loss_r(W) = |X_r W − Y_r|² / (2b), each replica its own batch."""
-    g, b = _gen(seed), 24
-    params = {f"w{k}": (0.1 * torch.randn(*s, generator=g)).to(dtype) for k, s in enumerate(shapes)}
-    data = [
-        {n: (torch.randn(b, p.shape[0], generator=g).to(dtype), torch.randn(b, p.shape[1], generator=g).to(dtype)) for n, p in params.items()}
-        for _ in range(replicas)
-    ]
-
-    def grads(current):
-        return [{n: x.T @ (x @ current[n] - y) / b for n, (x, y) in d.items()} for d in data]
-
-    return params, grads
-
-
 class DemoPipeline:
     """What the integration will run, on one process: per replica a batched local_step_ over the
     matrices of one shape, then average_decoded over the replicas' payloads, Newton–Schulz, update."""
@@ -312,7 +297,7 @@ def test_pipeline_follows_reference_trajectory_float64(shared_momentum, nesterov
     more lerps per element (relative rounding ≲ 3·2^-53 each), far inside the 1e-9.
     """
     replicas, steps = 3, 4
-    params, grads = _problem(PIPELINE_SHAPES, replicas, torch.float64)
+    params, grads = least_squares_problem(PIPELINE_SHAPES, replicas, torch.float64)
     start = {n: p.clone() for n, p in params.items()}
     ref_params = {n: p.clone() for n, p in params.items()}
     s = SETTINGS
@@ -335,7 +320,7 @@ def test_pipeline_matches_reference_per_step(dtype, u):
     elementwise bounds derived at the top of this file (both sides' errors from the exact values)."""
     replicas, steps = 3, 4
     s = SETTINGS
-    params, grads = _problem(PIPELINE_SHAPES, replicas, dtype, seed=21)
+    params, grads = least_squares_problem(PIPELINE_SHAPES, replicas, dtype, seed=21)
     pipeline = DemoPipeline(params, replicas, s["lr"], s["wd"], s["beta"], s["chunk"], s["topk"], s["alpha"])
     reference = ReferenceDeMoMuon(replicas, s["lr"], s["wd"], s["beta"], s["chunk"], s["topk"], s["alpha"])
     for _ in range(steps):

@@ -31,7 +31,7 @@ import math
 
 import pytest
 import torch
-from demo_reference import ReferenceLowRankDeMoMuon, reference_start
+from demo_reference import ReferenceLowRankDeMoMuon, least_squares_problem, reference_start
 
 from titan_muon.algorithm.newton_schulz import orthogonalize
 from titan_muon.algorithm.update import update_scale
@@ -115,21 +115,6 @@ def test_bytes():
 # ------------------------------------------------------------------ the pipeline
 
 
-def _problem(shapes, replicas, dtype, seed=20):
-    """Least squares per replica: loss_r(W) = |X_r W − Y_r|² / (2b), each replica its own batch."""
-    g, b = _gen(seed), 24
-    params = {f"w{k}": (0.1 * torch.randn(*s, generator=g)).to(dtype) for k, s in enumerate(shapes)}
-    data = [
-        {n: (torch.randn(b, p.shape[0], generator=g).to(dtype), torch.randn(b, p.shape[1], generator=g).to(dtype)) for n, p in params.items()}
-        for _ in range(replicas)
-    ]
-
-    def grads(current):
-        return [{n: x.T @ (x @ current[n] - y) / b for n, (x, y) in d.items()} for d in data]
-
-    return params, grads
-
-
 class LowRankPipeline:
     """What the integration runs (demo/step.py), on one process: per shape one batch of matrices,
     per replica the accumulate and the right projection, the replicas' average (summed in replica
@@ -198,7 +183,7 @@ def test_pipeline_follows_reference_trajectory_float64(shared_momentum, nesterov
     over the steps, times |ΔW| of the run: 4·263·u64·√3·κ·2·4⁵ ≈ 2e-10·κ of the parameter change
     per step. A defect (a replica left out, α, the warm start) changes it by percents."""
     replicas, steps = 3, 4
-    params, grads = _problem(SHAPES, replicas, torch.float64)
+    params, grads = least_squares_problem(SHAPES, replicas, torch.float64)
     start = {n: p.clone() for n, p in params.items()}
     ref_params = {n: p.clone() for n, p in params.items()}
     s = SETTINGS
@@ -225,7 +210,7 @@ def test_error_feedback_rules_give_the_same_parameters():
     that average (low_rank.py): float64, 4 steps, the parameters agree to rounding (the
     trajectory test's allowance), while the replicas' own buffers differ."""
     replicas, steps = 3, 4
-    params, grads = _problem(SHAPES, replicas, torch.float64, seed=22)
+    params, grads = least_squares_problem(SHAPES, replicas, torch.float64, seed=22)
     start = {n: p.clone() for n, p in params.items()}
     own_params = {n: p.clone() for n, p in params.items()}
     average, own = _reference(replicas), _reference(replicas, feedback="own")
@@ -302,7 +287,7 @@ def test_pipeline_matches_reference_per_step_fp32():
     reference's state (momenta, warm start): the pipeline's q, new momenta and warm start P̄ equal
     the exact step's within the allowances of the module docstring."""
     replicas, steps, s = 3, 4, SETTINGS
-    params, grads = _problem(SHAPES, replicas, torch.float32, seed=21)
+    params, grads = least_squares_problem(SHAPES, replicas, torch.float32, seed=21)
     pipeline = LowRankPipeline(params, replicas, s["lr"], s["wd"], s["beta"], s["rank"], s["alpha"])
     reference = _reference(replicas)
     used = 0.0
