@@ -25,7 +25,7 @@ from torch import Tensor
 from titan_muon.algorithm.commit import StepWork, apply_updates, staged_state
 from titan_muon.algorithm.newton_schulz import Pieces
 from titan_muon.algorithm.orthogonalizer import Orthogonalizer
-from titan_muon.algorithm.update import COMPILED_LIST, Elementwise, coalesce
+from titan_muon.algorithm.update import Elementwise, coalesce
 from titan_muon.buffers import Buffers, cut_bytes
 from titan_muon.exchange.engine import ExchangeEngine, MemoryAccount, ReturnSlots, StepFailure
 from titan_muon.exchange.params import MuonParam
@@ -201,9 +201,10 @@ class MatrixStep:
         it. c undoes what happened to the gradient after it was sent during backward (gradient
         clipping), 1 if sent in step(). A matrix without gradients keeps its momentum."""
         out = torch.empty_like(gradients)
-        # One pass per list of blocks (a batch is one shape of one param group: one β, one Nesterov);
-        # momentum decoded from bf16/fp8 storage is a copy, held one block at a time.
-        per_list = COMPILED_LIST if self.storage.name == "fp32" else 1
+        # One pass over the batch (one shape of one param group: one β, one Nesterov), which cuts
+        # it into compiled lists itself; momentum decoded from bf16/fp8 storage is a copy, so
+        # there each block goes alone and its copy is dropped before the next is decoded.
+        one_at_a_time = self.storage.name != "fp32"
         pending: list[tuple[Tensor, Tensor, Tensor, int]] = []
         group = self.params[engine.units[units[0]].param].group if units else None
 
@@ -226,7 +227,7 @@ class MatrixStep:
             if c != 1.0:
                 grad.mul_(c)  # `gradients` is this batch's own assembled copy
             pending.append((slot, grad, self.storage.load(self.owner_blocks[(s, u)]), u))
-            if len(pending) == per_list:
+            if one_at_a_time:
                 flush()
         if pending:
             flush()
