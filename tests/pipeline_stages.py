@@ -9,7 +9,7 @@ import torch.distributed as dist
 from common import grads_for, make_params
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from titan_muon import Muon
 
@@ -138,3 +138,57 @@ def stage_reservation_failure_run(rank, world, failing_rank, nan_stage=None):
         before[1].keys() == after[1].keys() and all(torch.equal(before[1][k], after[1][k]) for k in before[1])  # fmt: skip
     return {"stage": stage, "outcome": outcome, "unchanged": unchanged, "commit_plan": optimizer.commit_plan,
             "skipped": optimizer.skipped_steps}
+
+
+# torchtitan's pipeline split makes stages that hold no Muon matrix: generate_llm_fqn_per_model_part(4, 4)
+# gives a last stage of ["norm", "output"], both AdamW in titan_muon's param groups.
+ADAMW_ONLY_SHAPES = {"norm": (16,), "output": (50, 16)}
+
+
+def _local(t):
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def no_muon_stage_run(rank, world, policy, stages, bad):
+    """`stages` pipeline stages (1: plain FSDP over every rank) of world // stages FSDP ranks; the last
+    stage holds AdamW parameters only. At step 1 one entry of "output"'s gradient is `bad` (NaN or
+    Inf) in the last row, so on the stage's last FSDP rank only — what an Inf looks like after
+    torchtitan's clipping on the other ranks too: their shards are finite (zero). Every rank of every
+    stage must skip, or raise, with parameters and optimizer state unchanged."""
+    dp = world // stages
+    if stages == 1:
+        mesh = init_device_mesh("cpu", (dp,), mesh_dim_names=("dp",))
+        stage, dp_mesh, pipeline = 0, mesh, {}
+    else:
+        mesh = init_device_mesh("cpu", (stages, dp), mesh_dim_names=("pp", "dp"))
+        stage, dp_mesh, pipeline = mesh.get_coordinate()[0], mesh["dp"], {"pipeline_group": mesh["pp"].get_group()}
+    shapes = ADAMW_ONLY_SHAPES if stage == stages - 1 else STAGE_SHAPES[0]
+    full = make_params(stage, shapes)
+    module = nn.Module()
+    for name, tensor in full.items():
+        module.register_parameter(name, nn.Parameter(distribute_tensor(tensor, dp_mesh, [Shard(0)])))
+    named = dict(module.named_parameters())
+    groups = [g for g in ({"params": [(n, p) for n, p in named.items() if n in MUON]},
+                          {"params": [(n, p) for n, p in named.items() if n not in MUON], "use_muon": False}) if g["params"]]  # fmt: skip
+    optimizer = Muon(groups, nonfinite_grads=policy, **pipeline, **SETTINGS)
+    outcome = "stepped"
+    for step in range(3):
+        grads = grads_for(step, full)
+        if step == 1 and stage == stages - 1:
+            grads["output"][-1, 0] = float(bad)
+        for name, grad in grads.items():
+            named[name].grad = distribute_tensor(grad, dp_mesh, [Shard(0)])
+        if step == 1:
+            before = ({n: p.to_local().clone() for n, p in named.items()},
+                      {(n, k): _local(v).clone() for n, p in named.items() for k, v in optimizer.state[p].items()})  # fmt: skip
+        try:
+            optimizer.step()
+        except FloatingPointError as error:
+            outcome = str(error)
+        if step == 1:
+            after = ({n: p.to_local().clone() for n, p in named.items()},
+                     {(n, k): _local(v).clone() for n, p in named.items() for k, v in optimizer.state[p].items()})  # fmt: skip
+    unchanged = before[0].keys() == after[0].keys() and before[1].keys() == after[1].keys() and all(
+        torch.equal(before[i][k], after[i][k]) for i in (0, 1) for k in before[i])  # fmt: skip
+    return {"stage": stage, "outcome": outcome, "unchanged": unchanged, "skipped": optimizer.skipped_steps,
+            "agreement_ranks": sorted(dist.get_process_group_ranks(optimizer.transport.group))}  # fmt: skip

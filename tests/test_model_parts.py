@@ -84,6 +84,8 @@ def test_every_metric_has_a_merge_rule():
 
 PP, DP = 2, 2  # four ranks: two pipeline stages of two FSDP ranks, two model parts per rank
 STAGE_PART_SHAPES = [{"a": (30, 64), "b": (63, 64), "emb": (50, 16)}, {"c": (3, 256), "d": (64, 30), "bias": (17,)}]
+# A part of AdamW parameters only, as torchtitan's pipeline split makes them (["norm", "output"]).
+ADAMW_ONLY_PART = {"norm": (16,), "output": (50, 16)}
 
 
 def _container(optimizers):
@@ -95,11 +97,11 @@ def _container(optimizers):
     return container
 
 
-def _parts_run(rank, world, policy, nan_part, overlap):
+def _parts_run(rank, world, policy, nan_part, overlap, adamw_only_part=False):
     """Two model parts per rank (virtual stages k·PP + stage), each its own Muon with the
     pipeline group; at step 1 one entry of part `nan_part`'s gradient is NaN on rank 0 only;
     step 2 is normal again. Gradients come from a backward (loss Σ <p, g> on each rank's rows),
-    so with overlap the rounds leave during backward."""
+    so with overlap the rounds leave during backward. ``adamw_only_part``: part 1 holds no Muon matrix."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
@@ -107,15 +109,14 @@ def _parts_run(rank, world, policy, nan_part, overlap):
     mesh = init_device_mesh("cpu", (PP, DP), mesh_dim_names=("pp", "dp"))
     stage = mesh.get_coordinate()[0]
     parts = []
-    for k, shapes in enumerate(STAGE_PART_SHAPES):
+    for k, shapes in enumerate(STAGE_PART_SHAPES[:1] + [ADAMW_ONLY_PART] if adamw_only_part else STAGE_PART_SHAPES):
         module = nn.Module()
         for name, tensor in make_params(10 * k + stage, shapes).items():
             module.register_parameter(name, nn.Parameter(distribute_tensor(tensor, mesh["dp"], [Shard(0)])))
         named = dict(module.named_parameters())
-        groups = [
-            {"params": [(n, p) for n, p in named.items() if n not in ADAMW]},
-            {"params": [(n, p) for n, p in named.items() if n in ADAMW], "use_muon": False},
-        ]
+        adamw = ADAMW | set(ADAMW_ONLY_PART)
+        groups = [g for g in ({"params": [(n, p) for n, p in named.items() if n not in adamw]},
+                              {"params": [(n, p) for n, p in named.items() if n in adamw], "use_muon": False}) if g["params"]]  # fmt: skip
         opt = Muon(groups, lr=0.02, momentum=0.9, exchange_memory_mb=0.01, nonfinite_grads=policy, overlap=overlap,
                    pipeline_group=mesh["pp"].get_group())  # fmt: skip
         parts.append((opt, named, shapes))
@@ -129,7 +130,7 @@ def _parts_run(rank, world, policy, nan_part, overlap):
         for k, (opt, named, shapes) in enumerate(parts):
             full = grads_for(step, {n: torch.empty(s) for n, s in shapes.items()})
             if step == 1 and k == nan_part:
-                first = next(n for n in shapes if n not in ADAMW)
+                first = next((n for n in shapes if n not in ADAMW | set(ADAMW_ONLY_PART)), "output")
                 full[first][0, 0] = float("nan") if dist.get_rank() == 0 else 0.0  # row 0: rank 0's shard only
             for name, p in named.items():
                 local = distribute_tensor(full[name], mesh["dp"], [Shard(0)], src_data_rank=None).to_local()
@@ -178,3 +179,18 @@ def test_a_nonfinite_gradient_in_one_part_skips_or_raises_every_part_on_every_ra
                 for name, tensor in part_a.items():
                     # no clipping: overlap does the same fp32 math (test_overlap_distributed.py)
                     assert torch.equal(part_b[name], tensor), (rank, k, name)
+
+
+@pytest.mark.parametrize("policy", ["skip", "raise"])
+def test_a_part_without_muon_matrices_agrees_with_every_part_on_every_rank(policy):
+    """Part 1 holds AdamW parameters only and a NaN on rank 0: its agreement used to span rank 0
+    alone, so rank 0 skipped (or raised) while rank 1 stepped, and gloo timed out. Every part on
+    every rank now skips or raises together, with nothing changed."""
+    from distributed import run_distributed
+
+    for rank, result in enumerate(run_distributed(_parts_run, PP * DP, policy, 1, False, True, timeout=240)):
+        assert result["unchanged"] == [True, True], (rank, result["outcome"], result["unchanged"])
+        if policy == "skip":
+            assert result["outcome"] == "stepped" and result["skipped"] == [1, 1], (rank, result["outcome"], result["skipped"])
+        else:
+            assert "non-finite" in result["outcome"] and "no parameter or state was changed" in result["outcome"], (rank, result)

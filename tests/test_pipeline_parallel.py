@@ -11,7 +11,9 @@ import pytest
 import torch
 from common import make_params, run_titan
 from distributed import run_distributed, tiny_run_flags
-from pipeline_stages import DP, MUON, SETTINGS, STAGE_SHAPES, STEPS, stage_reservation_failure_run, stage_run, stage_skip_run
+from pipeline_stages import (
+    DP, MUON, SETTINGS, STAGE_SHAPES, STEPS, no_muon_stage_run, stage_reservation_failure_run, stage_run, stage_skip_run,
+)
 from torch import nn
 from torchtitan.components.loss import cross_entropy_loss
 
@@ -95,6 +97,45 @@ def test_a_nonfinite_gradient_in_one_stage_skips_or_raises_in_every_stage(policy
         else:
             where = "['c']" if result["stage"] == 1 else "another pipeline stage"
             assert "non-finite" in result["outcome"] and where in result["outcome"]
+
+
+@pytest.mark.parametrize("layers, empty_stage, names", [(4, 3, ["norm", "output"]), (2, 0, ["tok_embeddings"])])
+def test_torchtitans_pipeline_split_of_the_shipped_model_makes_stages_without_muon_matrices(layers, empty_stage, names):
+    """The layouts below are torchtitan's own: its split into 4 parts (PP 4, or PP 2 interleaved)
+    of the shipped debug model (4 layers), or of a 2-layer one, gives a part whose parameters all go
+    to AdamW."""
+    from torchtitan.distributed.pipeline_parallel import generate_llm_fqn_per_model_part
+    from torchtitan.models.llama3.model.args import TransformerModelArgs
+    from torchtitan.models.llama3.model.model import Transformer
+
+    from titan_muon import build_param_groups
+
+    parts = generate_llm_fqn_per_model_part(4, layers)
+    assert parts[empty_stage] == names, parts
+    with torch.device("meta"):
+        model = Transformer(TransformerModelArgs(dim=256, n_layers=layers, n_heads=8, n_kv_heads=2, vocab_size=2048))
+    stage = [(n, p) for n, p in model.named_parameters() if n.split(".")[0] in names]
+    groups = build_param_groups(stage)
+    assert [g["use_muon"] for g in groups] == [False] and len(groups[0]["params"]) == len(stage)
+
+
+@pytest.mark.parametrize("bad", ["nan", "inf"])
+@pytest.mark.parametrize("policy", ["skip", "raise"])
+@pytest.mark.parametrize("stages", [1, 2], ids=["fsdp2", "pp2xfsdp2"])
+def test_a_stage_without_muon_matrices_agrees_over_all_its_ranks(stages, policy, bad):
+    """A model part whose parameters are all AdamW's agreed with itself alone (its agreement group
+    came from the Muon matrices): with FSDP 2 rank 0 stepped while rank 1 skipped, and under PP the
+    other stage's ranks then waited for each other forever. Now every rank of every stage skips, or
+    raises, and nothing changes; the agreement spans the stage's FSDP ranks."""
+    for rank, result in enumerate(run_distributed(no_muon_stage_run, 2 * DP if stages == 2 else DP, policy, stages, bad, timeout=120)):
+        stage = result["stage"]
+        assert result["agreement_ranks"] == list(range(stage * DP, (stage + 1) * DP)), rank
+        assert result["unchanged"], (rank, result["outcome"])
+        if policy == "skip":
+            assert result["outcome"] == "stepped" and result["skipped"] == 1, (rank, result)
+        else:
+            where = "['output']" if stage == stages - 1 else "another pipeline stage"
+            assert "non-finite" in result["outcome"] and where in result["outcome"], (rank, result["outcome"])
 
 
 @pytest.mark.parametrize("with_pipeline_group", [False, True], ids=["stages-alone", "pipeline-group"])

@@ -203,7 +203,8 @@ class Muon(Optimizer):
             check_groups(self.param_groups, self.demo)
         self._names = [self.param_name(gi, pi) for gi, g in enumerate(self.param_groups) for pi in range(len(g["params"]))]
         self.muon_params: list[MuonParam] = collect_muon_params(self.param_groups, self.param_name)
-        rank_sets, covering = locate(self.muon_params)
+        others = [(self.param_name(gi, pi), p) for gi, g in enumerate(self.param_groups) if not g["use_muon"] for pi, p in enumerate(g["params"])]
+        rank_sets, covering = locate(self.muon_params, others)
         self.transport = Transport(covering, self.device)  # the step's two agreements
         self.pipeline = Transport(self.pipeline_group, self.device) if self.pipeline_group is not None else None
         units, shardings = build_units(self.muon_params, self.row_blocks)

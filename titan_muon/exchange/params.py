@@ -70,9 +70,14 @@ def sharded_mesh_dims(p: DTensor) -> list[int]:
     return [d for d, placement in enumerate(p.placements) if not isinstance(placement, Replicate)]
 
 
-def locate(entries: Sequence[MuonParam]) -> tuple[list[RankSet], dist.ProcessGroup | None]:
+def locate(entries: Sequence[MuonParam], others: Sequence[tuple[str, Tensor]] = ()) -> tuple[list[RankSet], dist.ProcessGroup | None]:
     """Fill in every entry's sharding and rank set; return the rank sets (in the order their
     first parameter appears, the same on every rank) and the group the step agrees over.
+
+    `others` are the optimizer's other parameters (AdamW's), by name. The step's agreements span
+    the ranks of every parameter, not only of the Muon matrices: a model part with no sharded Muon
+    matrix (torchtitan's pipeline split makes stages of ``norm`` and ``output`` alone) must still
+    skip or raise on all of its ranks together, else its ranks step apart and the pipeline waits.
 
     Raises ValueError, naming parameters, if a parameter's local block is not what its
     placements say, or if this rank's rank sets do not nest inside one of them.
@@ -108,18 +113,25 @@ def locate(entries: Sequence[MuonParam]) -> tuple[list[RankSet], dist.ProcessGro
                 f"on rank {rank}, but its placements {p.placements} give {expected} (torch.chunk-style splits, "
                 "as FSDP2 and DTensor make them, are supported)"
             )
-    if not sets:
+    spans = {s.ranks: (s.group, entries[s.params[0]].name) for s in sets}  # ranks -> (group, first parameter)
+    for name, p in others:
+        if isinstance(p, DTensor) and sharded_mesh_dims(p):
+            dims = sharded_mesh_dims(p)
+            key = tuple(sorted(_ranks_along(p.device_mesh, dims, p.device_mesh.get_coordinate())))
+            if key not in spans:
+                group = p.device_mesh.get_group(dims[0]) if len(dims) == 1 else cached_group(_FLATTENED_GROUPS, key)
+                spans[key] = (group, name)
+    if not spans:
         return sets, None
-    covering = max(sets, key=lambda s: len(s.ranks))
-    for s in sets:
-        if not set(s.ranks) <= set(covering.ranks):
-            first = entries[s.params[0]].name
+    covering = max(spans, key=len)  # the first of the largest: a Muon rank set where one is largest
+    for ranks, (_, first) in spans.items():
+        if not set(ranks) <= set(covering):
             raise ValueError(
-                f"titan_muon.Muon: parameter {first!r} is sharded over ranks {list(s.ranks)}, which are not all among "
-                f"the ranks {list(covering.ranks)} of {entries[covering.params[0]].name!r}; one optimizer needs the "
+                f"titan_muon.Muon: parameter {first!r} is sharded over ranks {list(ranks)}, which are not all among "
+                f"the ranks {list(covering)} of {spans[covering][1]!r}; one optimizer needs the "
                 "rank sets of its parameters to nest inside one of them"
             )
-    return sets, covering.group
+    return sets, spans[covering][0]
 
 
 def build_units(entries: Sequence[MuonParam], row_blocks: Mapping[str, RowBlocks]) -> tuple[dict[int | None, list[Unit]], list[Sharding]]:
