@@ -48,7 +48,7 @@ def main() -> None:
             dump = Path(scratch) / Path(config).stem
             flags = [
                 "--training.steps", str(args.steps), "--debug.deterministic", "--debug.seed", "0",
-                "--checkpoint.enable", "--checkpoint.interval", str(args.steps), "--checkpoint.last_save_model_only=false",
+                "--checkpoint.enable", "--checkpoint.interval", str(args.steps), "--checkpoint.no-last-save-model-only",
                 "--job.dump_folder", str(dump), "--metrics.log_freq", "1",
             ]  # fmt: skip
             run_training(str(REPO_ROOT / config), flags, nproc=2, timeout=1200)
