@@ -31,8 +31,8 @@ def digest(path: str) -> dict[str, str]:
     out = {}
     for key, value in sorted(read_checkpoint(path).items()):
         if isinstance(value, torch.Tensor):
-            t = value.detach().contiguous().cpu()
-            out[key] = f"{t.dtype}{list(t.shape)}:" + hashlib.sha256(t.view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
+            t = value.detach().contiguous().cpu().reshape(-1)
+            out[key] = f"{t.dtype}{list(value.shape)}:" + hashlib.sha256(t.view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
     return out
 
 
