@@ -38,6 +38,11 @@ def run_titan(params, steps, muon_names, **kwargs):
 
 # ---------------------------------------------------------------- comparing two runs
 
+
+def max_rel(a: dict, b: dict) -> float:
+    """The largest difference between two runs' tensors, each relative to its tensor's largest entry in `b`."""
+    return max(((a[n] - b[n]).abs().max() / b[n].abs().max()).item() for n in a)
+
 # Relative spacing of fp32 numbers near 1 (one ulp): the size of one rounding.
 FP32_ULP = 2.0**-23
 

@@ -4,16 +4,12 @@ import copy
 
 import pytest
 import torch
-from common import SHAPES, grads_for, make_params, run_titan
+from common import SHAPES, grads_for, make_params, max_rel, run_titan
 from reference import ReferenceMuonAdamW
 from torch import nn
 
 from titan_muon import Muon, build_param_groups
 from titan_muon.algorithm.newton_schulz import newton_schulz_flops
-
-
-def max_rel(a, b):
-    return max(((a[n] - b[n]).abs().max() / b[n].abs().max()).item() for n in a)
 
 
 @pytest.mark.parametrize("nesterov", [True, False])
