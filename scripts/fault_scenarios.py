@@ -37,7 +37,7 @@ from titan_muon.torchtitan.harness import (  # noqa: E402
     wait_for_log,
 )  # fmt: skip
 
-FAULT_TRAIN = ("scripts/fault_train.py",)
+FAULT_TRAIN = ("tests/fixtures/fault_train.py",)
 RUN_TIMEOUT = 1200
 
 

@@ -3,7 +3,7 @@
 import torch
 import torch.distributed as dist
 from distributed import run_distributed
-from test_optimizer_distributed import SHAPES, _distributed_params, _optimizer, _set_grads
+from sharded_fixtures import SHAPES, distributed_params, muon_for, set_grads
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Shard
 
@@ -22,11 +22,11 @@ def _bad_inputs(rank, world):
     outcomes = {}
 
     def fresh(**overrides):
-        module = _distributed_params(mesh, placements)
-        opt = _optimizer(module, **overrides)
-        _set_grads(module, 0, mesh, placements)
+        module = distributed_params(mesh, placements)
+        opt = muon_for(module, **overrides)
+        set_grads(module, 0, mesh, placements)
         opt.step()  # one healthy step first
-        _set_grads(module, 1, mesh, placements)
+        set_grads(module, 1, mesh, placements)
         return module, opt
 
     def snapshot(module, opt):
@@ -67,12 +67,12 @@ def _bad_inputs(rank, world):
 
     # Rank 1 built its model with another shape: the plan fingerprint differs.
     shapes = dict(SHAPES, e=(48, 49) if rank == 1 else (48, 48))
-    outcomes["plan"] = _outcome(lambda: _optimizer(_distributed_params(mesh, placements, shapes)))
+    outcomes["plan"] = _outcome(lambda: muon_for(distributed_params(mesh, placements, shapes)))
 
     # A placement that gives no rank a block of the matrix (a pending sum) is refused by name.
-    module = _distributed_params(mesh, placements)
+    module = distributed_params(mesh, placements)
     module.c = torch.nn.Parameter(DTensor.from_local(torch.randn(3, 256), mesh, [Partial()], run_check=False))
-    outcomes["placement"] = _outcome(lambda: _optimizer(module))
+    outcomes["placement"] = _outcome(lambda: muon_for(module))
 
     # The process group still works after all of this.
     alive = torch.ones(1)

@@ -3,7 +3,7 @@
 import pytest
 import torch.distributed.checkpoint as dcp
 from distributed import run_distributed
-from test_optimizer_distributed import _distributed_params, _optimizer, _set_grads, check_equal_to_one_process
+from sharded_fixtures import distributed_params, muon_for, set_grads, check_equal_to_one_process
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
@@ -13,29 +13,29 @@ SAVED_STEPS = 3
 
 def _save(rank, world, checkpoint, overrides=None):
     mesh = init_device_mesh("cpu", (world,))
-    module = _distributed_params(mesh, [Shard(0)])
-    opt = _optimizer(module, **(overrides or {}))
+    module = distributed_params(mesh, [Shard(0)])
+    opt = muon_for(module, **(overrides or {}))
     for s in range(SAVED_STEPS):
-        _set_grads(module, s, mesh, [Shard(0)])
+        set_grads(module, s, mesh, [Shard(0)])
         opt.step()
     model_sd, optim_sd = get_state_dict(module, opt)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=checkpoint)
-    _set_grads(module, SAVED_STEPS, mesh, [Shard(0)])
+    set_grads(module, SAVED_STEPS, mesh, [Shard(0)])
     opt.step()
     return {n: p.full_tensor() for n, p in module.named_parameters()}
 
 
 def _load_and_step(rank, world, checkpoint, overrides=None):
     mesh = init_device_mesh("cpu", (world,))
-    module = _distributed_params(mesh, [Shard(0)], seed=123)  # other weights: the load must overwrite them
-    opt = _optimizer(module, **(overrides or {}))
+    module = distributed_params(mesh, [Shard(0)], seed=123)  # other weights: the load must overwrite them
+    opt = muon_for(module, **(overrides or {}))
     model_sd, optim_sd = get_state_dict(module, opt)  # creates state with a no-op lr=0 step
     for key in opt.storage.keys:
         if key != "step":
             assert isinstance(opt.state[module.a][key], DTensor) and opt.state[module.a][key].placements == (Shard(0),)
     dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=checkpoint)
     set_state_dict(module, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
-    _set_grads(module, SAVED_STEPS, mesh, [Shard(0)])
+    set_grads(module, SAVED_STEPS, mesh, [Shard(0)])
     opt.step()
     return {n: p.full_tensor() for n, p in module.named_parameters()}
 

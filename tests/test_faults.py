@@ -1,7 +1,7 @@
 """Faults under torchrun on CPU/gloo: a killed rank, a crash mid-save, a full or unwritable
 disk, SIGTERM; plus the pre-resume checks of checkpoint.initial_load_path in one process.
 
-Faults are injected by scripts/fault_train.py (titan_muon.torchtitan.train plus one fault chosen by an
+Faults are injected by tests/fixtures/fault_train.py (titan_muon.torchtitan.train plus one fault chosen by an
 environment variable). Every launch has a timeout; runs use the tiny flavor and 12 steps,
 checkpoints every 3. Losses are compared bit for bit with one uninterrupted run: a resume
 restores every state (weights, optimizer, lr schedule, data position, RNG seed) and the
@@ -40,7 +40,7 @@ from titan_muon.torchtitan.harness import (
 from titan_muon.torchtitan.train import check_restarts_can_rendezvous
 
 MUON = "train_configs/llama3_gqa_muon.toml"
-FAULT_TRAIN = ("scripts/fault_train.py",)
+FAULT_TRAIN = ("tests/fixtures/fault_train.py",)
 STEPS, INTERVAL = 12, 3
 RUN_TIMEOUT = 400  # seconds; a run takes ~20 s on an idle 2-core machine, minutes on a busy one
 
@@ -192,11 +192,11 @@ def test_disk_full_while_saving_keeps_the_previous_checkpoint(reference, workdir
 
 @pytest.mark.timeout(200)
 def test_torchrun_shared_store_keeps_the_dead_workers_gloo_addresses():
-    """The root cause of the failed restarts, in plain torch (scripts/fault_gloo_restart.py):
+    """The root cause of the failed restarts, in plain torch (tests/fixtures/fault_gloo_restart.py):
     after torchrun restarts its workers, its shared store still holds the gloo addresses the
     killed attempt published, which the new workers may read. (The fix, a fresh store per
     restart, is what the kill -9 test above runs with.)"""
-    script = str(REPO_ROOT / "scripts" / "fault_gloo_restart.py")
+    script = str(REPO_ROOT / "tests" / "fixtures" / "fault_gloo_restart.py")
     shared = subprocess.run([sys.executable, script, "--keys-only"], capture_output=True, text=True, timeout=190)
     stale = "['default_pg/0//cpu//0/0', 'default_pg/0//cpu//0/1']"
     assert f"attempt 1 rank 0: store holds {stale}" in shared.stdout, shared.stdout

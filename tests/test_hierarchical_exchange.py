@@ -219,7 +219,7 @@ def test_transport_two_stages_equal_flat_all_to_all(world, per_node):
 
 
 def _muon_run(rank, world, per_node, steps):
-    from test_optimizer_distributed import _batches, _loss, fsdp_model
+    from sharded_fixtures import token_batches, next_token_loss, fsdp_model
 
     from titan_muon import build_param_groups
 
@@ -233,7 +233,7 @@ def _muon_run(rank, world, per_node, steps):
             if hierarchical:
                 assert all(e.outbound.hierarchy is not None for e in opt.engines if e.sharded) and any(e.sharded for e in opt.engines)
             for s in range(steps):
-                _loss(model, _batches(s, batch=2 * world).chunk(world)[rank]).backward()
+                next_token_loss(model, token_batches(s, batch=2 * world).chunk(world)[rank]).backward()
                 opt.step()
                 opt.zero_grad()
             metrics = opt.last_step_metrics

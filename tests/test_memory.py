@@ -7,7 +7,7 @@ from pathlib import Path
 from common import grads_for, make_params
 from distributed import run_distributed
 from live_bytes import LiveBytes
-from test_optimizer_distributed import _batches, _loss, fsdp_model
+from sharded_fixtures import token_batches, next_token_loss, fsdp_model
 from torch import nn
 
 from titan_muon import Muon, build_param_groups
@@ -62,7 +62,7 @@ def _overlapped(rank, world):
         # itself (activation gradients, FSDP's buffers) is not the optimizer's: only storages
         # allocated while titan_muon's code runs are counted
         with LiveBytes(only_from=package) as live:
-            _loss(model, _batches(s).chunk(world)[rank]).backward()
+            next_token_loss(model, token_batches(s).chunk(world)[rank]).backward()
             opt.step()
         opt.zero_grad()
     return {"account": opt.last_step_metrics["muon/peak_transient_bytes"], "slack": _model_slack(opt), "live": live.peak,

@@ -9,7 +9,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from common import FP32_ULP, GRADIENT_RTOL, adamw_names, assert_within, feed_adamw_gradients, whole_gradients
 from distributed import run_distributed
-from test_optimizer_distributed import _batches, _loss, fsdp_model
+from sharded_fixtures import token_batches, next_token_loss, fsdp_model
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from titan_muon import Muon, build_param_groups
@@ -17,7 +17,7 @@ from titan_muon import Muon, build_param_groups
 TAMPERED = "layers.1.w1.weight"
 
 
-def _optimizer(model, overlap, **overrides):
+def muon_for(model, overlap, **overrides):
     settings = dict(lr=0.02, adjust_lr_fn="match_rms_adamw", exchange_memory_mb=0.002, overlap=overlap)
     return Muon(build_param_groups(model, adamw_lr=3e-3), **{**settings, **overrides})
 
@@ -27,12 +27,12 @@ def _train(rank, world, overlap, clip, micro_batches, tamper, steps=3, overrides
     checking its own against them (common.feed_adamw_gradients): only Muon's path differs."""
     model = fsdp_model(world)
     initial = {n: p.full_tensor() for n, p in model.named_parameters()}
-    opt = _optimizer(model, overlap, **(overrides or {}))
+    opt = muon_for(model, overlap, **(overrides or {}))
     sent_in_backward, bytes_backward, bytes_to_owners_in_step, reduced = [], [], [], []
     for s in range(steps):
         for m in range(micro_batches):
-            tokens = _batches(10 * s + m).chunk(world)[rank]
-            (_loss(model, tokens) / micro_batches).backward()
+            tokens = token_batches(10 * s + m).chunk(world)[rank]
+            (next_token_loss(model, tokens) / micro_batches).backward()
         if clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.05)
         grad = dict(model.named_parameters())[TAMPERED].grad.to_local()
@@ -128,7 +128,7 @@ def test_overlap_with_bf16_communication_catches_changes_per_matrix():
 
 def _hsdp_model(world):
     """TinyTransformerish under HSDP: 2 replicas of a 2-rank FSDP group."""
-    from test_optimizer_distributed import TinyTransformerish
+    from sharded_fixtures import TinyTransformerish
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -147,11 +147,11 @@ def _train_skipping(rank, world, overlap, comm_dtype, skip_step=1, steps=3, hsdp
     gradient on any rank (FSDP2 never runs that unit): torch.optim leaves such parameters and
     their state alone, and so must either mode."""
     model = _hsdp_model(world) if hsdp else fsdp_model(world)
-    opt = _optimizer(model, overlap, comm_dtype=comm_dtype)
+    opt = muon_for(model, overlap, comm_dtype=comm_dtype)
     before = {}
     for s in range(steps):
         model.skip = frozenset({1}) if s == skip_step else frozenset()
-        _loss(model, _batches(s).chunk(world)[rank]).backward()  # HSDP: every rank its own batch
+        next_token_loss(model, token_batches(s).chunk(world)[rank]).backward()  # HSDP: every rank its own batch
         opt.step()
         opt.zero_grad()
         if s == skip_step:
@@ -194,10 +194,10 @@ def _checkpoint_roundtrip(rank, world, path, save, momentum_dtype, adamw_grads=N
     The resumed run's last step feeds AdamW the saving run's gradients (`adamw_grads`)."""
     options = StateDictOptions(flatten_optimizer_state_dict=True)
     model = fsdp_model(world)
-    opt = _optimizer(model, overlap=True, momentum_dtype=momentum_dtype)
+    opt = muon_for(model, overlap=True, momentum_dtype=momentum_dtype)
     steps = 2 if save else 0
     for s in range(steps):
-        _loss(model, _batches(s).chunk(world)[rank]).backward()
+        next_token_loss(model, token_batches(s).chunk(world)[rank]).backward()
         opt.step()
         opt.zero_grad()
     if save:
@@ -208,7 +208,7 @@ def _checkpoint_roundtrip(rank, world, path, save, momentum_dtype, adamw_grads=N
         state = {"model": model_sd, "optim": optim_sd}
         dcp.load(state, checkpoint_id=path)
         set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options)
-    _loss(model, _batches(5).chunk(world)[rank]).backward()
+    next_token_loss(model, token_batches(5).chunk(world)[rank]).backward()
     if adamw_grads is None:
         adamw_grads = whole_gradients(model, adamw_names(opt))
     else:

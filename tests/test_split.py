@@ -6,7 +6,7 @@ import pytest
 import torch
 from distributed import run_distributed
 from reference import reference_ns
-from test_optimizer_distributed import _dtensor_run, _one_process, check_equal_to_one_process
+from sharded_fixtures import dtensor_run, one_process_run, check_equal_to_one_process
 from torch import nn
 
 from titan_muon import Muon
@@ -58,9 +58,9 @@ def test_block_errors_name_the_parameter_and_pattern():
 def test_split_distributed_equals_one_process_with_heads_straddling_shards():
     world = 4
     # 30 rows in heads of 10 on 4 ranks (8, 8, 8, 6 rows): heads 0-2 straddle shard boundaries.
-    results = run_distributed(_dtensor_run, world, (world,), 3, {"row_blocks": ROW_BLOCKS})
-    expected = _one_process(3, row_blocks=ROW_BLOCKS)
-    unsplit = _one_process(3)
+    results = run_distributed(dtensor_run, world, (world,), 3, {"row_blocks": ROW_BLOCKS})
+    expected = one_process_run(3, row_blocks=ROW_BLOCKS)
+    unsplit = one_process_run(3)
     for rank, result in enumerate(results):
         check_equal_to_one_process(result["params"], expected, 3, f"rank {rank}")
     assert (expected["a"] - unsplit["a"]).abs().max() > 1e-4

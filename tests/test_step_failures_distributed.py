@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from distributed import run_distributed
-from test_optimizer_distributed import SHAPES, _distributed_params, _optimizer, _set_grads
+from sharded_fixtures import SHAPES, distributed_params, muon_for, set_grads
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard
 
@@ -29,11 +29,11 @@ def _unchanged(before, after):
 
 def _fail_once(rank, world, where, failing_rank, path, overrides):
     mesh = init_device_mesh("cpu", (world,))
-    module = _distributed_params(mesh, [Shard(0)])
-    opt = _optimizer(module, **overrides)
-    _set_grads(module, 0, mesh, [Shard(0)])
+    module = distributed_params(mesh, [Shard(0)])
+    opt = muon_for(module, **overrides)
+    set_grads(module, 0, mesh, [Shard(0)])
     opt.step()  # a healthy step: state exists
-    _set_grads(module, 1, mesh, [Shard(0)])
+    set_grads(module, 1, mesh, [Shard(0)])
     before = _snapshot(module, opt)
 
     module_name, attribute = where.split(":")
@@ -57,13 +57,13 @@ def _fail_once(rank, world, where, failing_rank, path, overrides):
     opt.step()
     retried = {n: p.full_tensor() for n, p in module.named_parameters()}
 
-    fresh_module = _distributed_params(mesh, [Shard(0)], seed=123)
-    fresh = _optimizer(fresh_module, **overrides)
+    fresh_module = distributed_params(mesh, [Shard(0)], seed=123)
+    fresh = muon_for(fresh_module, **overrides)
     model_sd, optim_sd = get_state_dict(fresh_module, fresh)
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=path)
     set_state_dict(fresh_module, fresh, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    _set_grads(fresh_module, 1, mesh, [Shard(0)])
+    set_grads(fresh_module, 1, mesh, [Shard(0)])
     fresh.step()
     resumed = {n: p.full_tensor() for n, p in fresh_module.named_parameters()}
     return {"outcome": outcome, "unchanged": unchanged, "retried": retried, "resumed": resumed}
@@ -100,10 +100,10 @@ def _broken(original, failing):
 
 def _clean(rank, world, overrides):
     mesh = init_device_mesh("cpu", (world,))
-    module = _distributed_params(mesh, [Shard(0)])
-    opt = _optimizer(module, **overrides)
+    module = distributed_params(mesh, [Shard(0)])
+    opt = muon_for(module, **overrides)
     for step in range(2):
-        _set_grads(module, step, mesh, [Shard(0)])
+        set_grads(module, step, mesh, [Shard(0)])
         opt.step()
     return {n: p.full_tensor() for n, p in module.named_parameters()}
 

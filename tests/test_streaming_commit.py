@@ -17,7 +17,7 @@ from distributed import run_distributed
 from live_bytes import LiveBytes
 from test_memory import SHAPES as MEMORY_SHAPES
 from test_memory import _model_slack, _verdict_bytes
-from test_optimizer_distributed import SHAPES, _distributed_params, _optimizer, _set_grads
+from sharded_fixtures import SHAPES, distributed_params, muon_for, set_grads
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard
@@ -29,10 +29,10 @@ from titan_muon import Muon
 
 def _run(rank, world, overrides, steps=3):
     mesh = init_device_mesh("cpu", (world,))
-    module = _distributed_params(mesh, [Shard(0)])
-    opt = _optimizer(module, **overrides)
+    module = distributed_params(mesh, [Shard(0)])
+    opt = muon_for(module, **overrides)
     for step in range(steps):
-        _set_grads(module, step, mesh, [Shard(0)])
+        set_grads(module, step, mesh, [Shard(0)])
         opt.step()
     state = {n: {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in opt.state[p].items()}
              for n, p in module.named_parameters()}  # fmt: skip
@@ -114,9 +114,9 @@ def _fails_late(rank, world, failing_rank):
     import titan_muon.algorithm.orthogonalizer as module
 
     mesh = init_device_mesh("cpu", (world,))
-    target = _distributed_params(mesh, [Shard(0)])
-    opt = _optimizer(target, commit="streaming")
-    _set_grads(target, 0, mesh, [Shard(0)])
+    target = distributed_params(mesh, [Shard(0)])
+    opt = muon_for(target, commit="streaming")
+    set_grads(target, 0, mesh, [Shard(0)])
     opt.step()
     saved_params = {n: p.to_local().clone() for n, p in target.named_parameters()}
     saved_state = copy.deepcopy(opt.state_dict())  # a checkpoint: the failed step writes momentum in place
@@ -128,7 +128,7 @@ def _fails_late(rank, world, failing_rank):
             raise MemoryError("injected failure")
         return original(*args, **kwargs)
 
-    _set_grads(target, 1, mesh, [Shard(0)])
+    set_grads(target, 1, mesh, [Shard(0)])
     module.orthogonalize = broken
     try:
         with pytest.raises(RuntimeError) as failed:
@@ -184,11 +184,11 @@ def _allocations_after_the_first_write(rank, world, overrides):
 
     mesh = init_device_mesh("cpu", (world,))
     # twelve uneven matrices: four rounds or more at W = 3 (an owner takes at least one per round)
-    module = _distributed_params(mesh, [Shard(0)], {f"w{i}": (40 + 3 * i, 24 + i) for i in range(12)})
+    module = distributed_params(mesh, [Shard(0)], {f"w{i}": (40 + 3 * i, 24 + i) for i in range(12)})
     opt = Muon(list(module.parameters()), lr=0.02, weight_decay=0.1, exchange_memory_mb=1e-4, rounds_in_flight=1, **overrides)
-    _set_grads(module, 0, mesh, [Shard(0)])
+    set_grads(module, 0, mesh, [Shard(0)])
     opt.step()
-    _set_grads(module, 1, mesh, [Shard(0)])
+    set_grads(module, 1, mesh, [Shard(0)])
     watch, original, written = _NewStorages(), MatrixStep.write_round, []
 
     def write_round(self, r):

@@ -5,7 +5,7 @@ import pytest
 import torch
 from common import FP32_ULP, adamw_names, assert_within, feed_adamw_gradients, whole_gradients
 from distributed import run_distributed
-from test_optimizer_distributed import TinyTransformerish, _batches, _loss
+from sharded_fixtures import TinyTransformerish, token_batches, next_token_loss
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Replicate
@@ -30,7 +30,7 @@ TP_PLAN = {
 PARTIAL_TP_PLAN = {key: value for key, value in TP_PLAN.items() if key not in ("wk", "wo")}
 
 
-def _optimizer(model, split):
+def muon_for(model, split):
     return Muon(build_param_groups(model, adamw_lr=3e-3), row_blocks=SPLIT if split else None, **SETTINGS)
 
 
@@ -48,12 +48,12 @@ def _train(rank, world, tp, split, steps=3, plan=None):
         fully_shard(block, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])
     model.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
-    opt = _optimizer(model, split)
+    opt = muon_for(model, split)
     dp_rank = mesh["dp"].get_local_rank()
     reduced = []
     for s in range(steps):
-        tokens = _batches(s).chunk(world // tp)[dp_rank]  # TP ranks of one replica see the same batch
-        _loss(model, tokens).backward()
+        tokens = token_batches(s).chunk(world // tp)[dp_rank]  # TP ranks of one replica see the same batch
+        next_token_loss(model, tokens).backward()
         reduced.append(whole_gradients(model, adamw_names(opt)))
         opt.step()
         opt.zero_grad()
@@ -61,13 +61,13 @@ def _train(rank, world, tp, split, steps=3, plan=None):
     return {"params": {n: p.full_tensor() for n, p in model.named_parameters()}, "placements": placements, "adamw_grads": reduced}
 
 
-def _one_process(split, adamw_grads, steps=3):
+def one_process_run(split, adamw_grads, steps=3):
     """AdamW is fed the gradients the ranks reduced (common.feed_adamw_gradients)."""
     torch.manual_seed(0)
     model = TinyTransformerish(hidden=HIDDEN)
-    opt = _optimizer(model, split)
+    opt = muon_for(model, split)
     for s in range(steps):
-        _loss(model, _batches(s)).backward()
+        next_token_loss(model, token_batches(s)).backward()
         feed_adamw_gradients(model, opt, adamw_grads[s], f"step {s}")
         opt.step()
         opt.zero_grad()
@@ -77,7 +77,7 @@ def _one_process(split, adamw_grads, steps=3):
 @pytest.mark.parametrize("split,plan", [(False, None), (True, None), (False, PARTIAL_TP_PLAN)], ids=["whole", "split-heads", "two-rank-sets"])
 def test_fsdp_times_tp_equals_one_process(split, plan):
     results = run_distributed(_train, 4, 2, split, 3, plan, timeout=300)
-    expected, adamw = _one_process(split, results[0]["adamw_grads"])
+    expected, adamw = one_process_run(split, results[0]["adamw_grads"])
     placements = results[0]["placements"]
     assert "_StridedShard" in placements["layers.0.w1.weight"] or "_S(" in placements["layers.0.w1.weight"]
     assert "Shard(dim=1)" in placements["layers.0.w2.weight"]

@@ -13,7 +13,7 @@ file and the suite's usual flags (0.2.2 names, translated by the launcher): a ti
 each compared with FSDP 2 from the same seed checkpoint), each launch with a timeout. MuonClip is on
 as the TOML files set it. Two one-rank launches with --nnodes 2 train as one launch of 2 ranks; one run of
 mla_muon.toml shows split = "fine", overlap, fp8 momentum and MuonClip at work, and a NaN gradient
-(scripts/fault_train030.py) skipped with nonfinite_grads = "skip".
+(tests/fixtures/fault_train030.py) skipped with nonfinite_grads = "skip".
 
 MuonClip's recording is also checked in one process on 0.3.0's own attention modules (llama3 with
 fused or separate q/k/v, deepseek_v3 MLA; SDPA, and FlexAttention with its packed-document mask):
@@ -580,7 +580,7 @@ def test_moe_experts_are_all_muon_parameters(workdir):
 
 MLA = "train_configs/mla_muon.toml"  # overlap = true, momentum_dtype = "fp8", qk_clip = true
 NONFINITE_STEP = 2
-FAULT_TRAIN = ("scripts/fault_train030.py",)  # titan_muon.train with a NaN gradient injected
+FAULT_TRAIN = ("tests/fixtures/fault_train030.py",)  # titan_muon.train with a NaN gradient injected
 
 
 @pytest.fixture(scope="module")
