@@ -1,5 +1,5 @@
 """Elements each rank sends per Muon step, against its Muon shard, as the plan lays them out:
-the figures of README.md ("Communication") and docs/reliability.md ("Traffic").
+the figures of docs/exchange.md ("Bytes each rank sends") and docs/reliability.md ("Traffic bound").
 
     python scripts/measure_traffic.py
 

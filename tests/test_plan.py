@@ -139,7 +139,7 @@ def _preset_units():
 # The plan's balance where memory does not bind: an 8 GiB window (4 GiB per round; the default is 2 GiB). A
 # 1 GiB window (3 GiB less per GPU on Llama-3 8B) caps rounds on the MoE presets' large
 # matrices: DeepSeek-V3 1.13x and Kimi K2 1.10x of total / W at W = 256, DeepSeek-V3 1.64x at
-# W = 1024 (README, docs/scale.md); users at that scale set exchange_memory_mb.
+# W = 1024 (docs/features.md, docs/scale.md); users at that scale set exchange_memory_mb.
 BALANCE_WINDOW_MB = 8192
 # (preset, W) where whole-matrix ownership cannot bring the sum over rounds of the busiest
 # owner within 10 % of the total over W even then: the round that holds the large attention and
@@ -306,7 +306,7 @@ def _traffic_script():
 
 
 def test_a_rank_sends_at_most_its_shard_plus_the_matrices_it_owns():
-    """What the plan guarantees about bytes (README, "Communication"): a rank sends its pieces of
+    """What the plan guarantees about bytes (docs/exchange.md, "Bytes each rank sends"): a rank sends its pieces of
     the matrices owned elsewhere (at most its shard) and returns the other ranks' pieces of those
     it owns (at most their size). On scripts/measure_traffic.py's layouts and 40 seeded random
     sets of small uneven matrices at W = 2, 3, 4."""
@@ -322,13 +322,14 @@ def test_a_rank_sends_at_most_its_shard_plus_the_matrices_it_owns():
             assert sent <= shard + owned, (label, rank, sent, shard, owned)
 
 
-def test_readme_states_the_traffic_the_plan_sends():
-    """README's per-rank byte figures are what the plan sends (scripts/measure_traffic.py), so a
-    change of the plan that moves them fails here until the README says so."""
+def test_docs_state_the_traffic_the_plan_sends():
+    """docs/exchange.md's per-rank byte figures ("Bytes each rank sends") are what the plan sends
+    (scripts/measure_traffic.py), so a change of the plan that moves them fails here until the
+    doc says so."""
     from pathlib import Path
 
     traffic = _traffic_script()
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "exchange.md").read_text()
     for label, rows in traffic.all_cases().items():
         figure = f"{label}: {traffic.busiest_ratio(rows):.2f}×"
-        assert figure in readme, f"README.md should state {figure!r} (scripts/measure_traffic.py)"
+        assert figure in doc, f"docs/exchange.md should state {figure!r} (scripts/measure_traffic.py)"
