@@ -141,3 +141,21 @@ def test_the_reservation_layout_is_computed_once_per_plan_and_settings(monkeypat
         counts.append(len(calls))
     # fp32 momentum on the shards, one process: "auto" streams and reserves from the first step on
     assert counts[0] > 0 and counts[1] == counts[0] and counts[2] == 2 * counts[0], counts
+
+
+@pytest.mark.parametrize("rounds", [1, 3])
+def test_the_reservation_holds_no_more_slots_than_the_plan_has_rounds(rounds):
+    """A plan of one round (or three) reserves what rounds_in_flight = 1 (or 3) reserves, however
+    many rounds may be in flight: the slots beyond the plan's rounds would never be used."""
+    def reserved(in_flight):
+        params = [torch.nn.Parameter(torch.randn(64, 96, generator=torch.Generator().manual_seed(i))) for i in range(rounds)]
+        # each (64, 96) fp32 matrix alone fills a round's share of the window (24 KiB)
+        opt = Muon(params, lr=0.01, exchange_memory_mb=0.025 * in_flight, rounds_in_flight=in_flight, keep_reservation=True)
+        for p in params:
+            p.grad = torch.ones_like(p)
+        opt.step()
+        assert opt.last_step_metrics["muon/rounds"] == rounds, opt.last_step_metrics["muon/rounds"]
+        return opt.last_step_metrics["muon/kept_reservation_bytes"]
+
+    assert reserved(rounds) > 0
+    assert reserved(rounds + 1) == reserved(rounds) == reserved(8)

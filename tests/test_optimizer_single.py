@@ -695,3 +695,20 @@ def test_update_rms_is_the_applied_update_and_an_unmeasured_step_skips_only_it()
     assert m["muon/update_elements"] == sum(params[n].numel() for n in "abce")  # every Muon block this rank holds
     assert {k: v for k, v in m.items() if "time" not in k and k not in ("muon/update_rms", "muon/update_elements", "muon/peak_transient_bytes")} == \
         {k: v for k, v in u.items() if "time" not in k and k != "muon/peak_transient_bytes"}  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_the_gradient_check_does_not_overflow_on_finite_half_precision_gradients(dtype):
+    """512 entries of 60000 are finite in fp16, but their L2 norm (1.36e6) is not: the check took
+    the norm in the gradient's dtype and refused the step as non-finite. It now sums in fp32; an
+    Inf entry still raises, naming the parameter, with nothing changed."""
+    p = nn.Parameter(torch.zeros(16, 32, dtype=dtype))
+    opt = Muon([{"params": [("w", p)]}], lr=0.01)
+    p.grad = torch.full_like(p, 60000.0)
+    opt.step()
+    assert torch.isfinite(p.float()).all() and p.float().abs().max() > 0
+    before = p.detach().clone()
+    p.grad[3, 4] = float("inf")
+    with pytest.raises(FloatingPointError, match=r"non-finite \(NaN/Inf\) gradients in \['w'\]"):
+        opt.step()
+    assert torch.equal(p.detach(), before)

@@ -292,20 +292,21 @@ def reserve_rounds(engines: list[ExchangeEngine], params: list[MuonParam], newto
     tensor from `store` holding every engine's largest round in each region (reservation.py),
     counted in `memory`; or (None, why) if it cannot be allocated. Made before the step's first
     agreement, which carries the failure to every rank before anything is written."""
-    def layout() -> tuple[RoundBytes, int, bool]:
+    def layout() -> tuple[RoundBytes, int, bool, int]:
         rounds = [engine.round_bytes(r, wire, wire, lambda tables, engine=engine: owner_bytes(engine, tables, wire, params, newton_schulz))
                   for engine in engines for r in range(len(engine.tables))]  # fmt: skip
         held = any(reads_arrivals(engine, ns_key(params, engine.units[u]), newton_schulz, wire, False)
                    for engine in engines for u in engine.owned_units())  # fmt: skip
-        return largest(rounds), max(engine.rounds_in_flight for engine in engines), held
+        most_rounds = max(len(engine.tables) for engine in engines)
+        return largest(rounds), max(engine.rounds_in_flight for engine in engines), held, most_rounds
 
     # beyond the exchange plan (the store's own), the sizes depend on the wire and the NS plans
-    sizes, in_flight, arrivals_held = store.layout((wire, newton_schulz.plan_settings()), layout)
-    nbytes = reservation_bytes(sizes, in_flight, arrivals_held)
+    sizes, in_flight, arrivals_held, most_rounds = store.layout((wire, newton_schulz.plan_settings()), layout)
+    nbytes = reservation_bytes(sizes, in_flight, arrivals_held, most_rounds)
     try:
         storage = store.take(nbytes)
     except Exception as error:  # noqa: BLE001 - every rank raises in the verdict
         return None, f"{nbytes} bytes: {type(error).__name__}: {error}"
     memory.add(nbytes)
     memory.kept = store.kept_bytes
-    return ReservedRounds(storage, sizes, in_flight, arrivals_held), None
+    return ReservedRounds(storage, sizes, in_flight, arrivals_held, most_rounds), None

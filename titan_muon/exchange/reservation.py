@@ -6,7 +6,7 @@ half-updated. So before the step's first agreement (verdict.py, which carries wh
 rank could reserve), each rank reserves one byte tensor sized from the plan and cuts every
 round's buffers out of it, in three regions (engine.ExchangeEngine.run):
 
-* **send**: ``rounds_in_flight`` slots, used round-robin, each holding one round's send buffer
+* **send**: ``rounds_in_flight`` slots (no more than the plan has rounds), used round-robin, each holding one round's send buffer
   and relay buffers. Round r's slot is taken again by round r + rounds_in_flight, which is packed
   only after round r's trip was waited for.
 * **receive**: ``rounds_in_flight`` slots, each holding one round's receive buffer: round r's
@@ -77,16 +77,18 @@ class RoundBytes:
 
 
 class ReservedRounds(RoundBuffers):
-    """Rounds cut out of `storage`, for an engine with `rounds_in_flight`: the regions' slots
-    (module docstring), each as large as the largest round's cut from that region."""
+    """Rounds cut out of `storage`, for an engine with `rounds_in_flight` and a plan of at most
+    `rounds` rounds (None: any number): the regions' slots (module docstring), each as large as
+    the largest round's cut from that region."""
 
-    def __init__(self, storage: Tensor, sizes: RoundBytes, rounds_in_flight: int, arrivals_held: bool = False):
+    def __init__(self, storage: Tensor, sizes: RoundBytes, rounds_in_flight: int, arrivals_held: bool = False,
+                 rounds: int | None = None):  # fmt: skip
         super().__init__(storage.device)
-        self.bytes = reservation_bytes(sizes, rounds_in_flight, arrivals_held)
+        self.bytes = reservation_bytes(sizes, rounds_in_flight, arrivals_held, rounds)
         if storage.numel() < self.bytes:
             raise ValueError(f"a reservation of {storage.numel()} bytes cannot hold {self.bytes}")
         self._regions, offset = {}, 0
-        for name, count in _slots(rounds_in_flight, arrivals_held).items():
+        for name, count in _slots(rounds_in_flight, arrivals_held, rounds).items():
             size = getattr(sizes, name)
             self._regions[name] = [Arena(storage[offset + i * size : offset + (i + 1) * size]) for i in range(count)]
             offset += count * size
@@ -149,13 +151,17 @@ class ReservationStore:
         return storage
 
 
-def _slots(rounds_in_flight: int, arrivals_held: bool = False) -> dict[str, int]:
-    receive = rounds_in_flight + 1 if arrivals_held else rounds_in_flight
-    return {"send": rounds_in_flight, "receive": receive, "owner": 1, "returning": rounds_in_flight}
+def _slots(rounds_in_flight: int, arrivals_held: bool = False, rounds: int | None = None) -> dict[str, int]:
+    """How many slots each region holds. A plan of `rounds` rounds never uses more slots than it
+    has rounds: round r takes slot r % count, so with count >= rounds each round has its own."""
+    cap = float("inf") if rounds is None else max(1, rounds)
+    in_flight = int(min(rounds_in_flight, cap))
+    receive = int(min(rounds_in_flight + 1, cap)) if arrivals_held else in_flight
+    return {"send": in_flight, "receive": receive, "owner": 1, "returning": in_flight}
 
 
-def reservation_bytes(sizes: RoundBytes, rounds_in_flight: int, arrivals_held: bool = False) -> int:
-    return sum(count * getattr(sizes, name) for name, count in _slots(rounds_in_flight, arrivals_held).items())
+def reservation_bytes(sizes: RoundBytes, rounds_in_flight: int, arrivals_held: bool = False, rounds: int | None = None) -> int:
+    return sum(count * getattr(sizes, name) for name, count in _slots(rounds_in_flight, arrivals_held, rounds).items())
 
 
 def largest(rounds: Sequence[RoundBytes]) -> RoundBytes:

@@ -41,6 +41,15 @@ class Verdict:
     early: list = field(default_factory=list)  # per rank set: overlap.EarlySends or None
 
 
+def _norms(grads: Sequence[Tensor]) -> list[Tensor]:
+    """Each gradient's L2 norm, summed in fp32 (fp64 if any gradient is): in fp16 the norm of
+    finite gradients overflows past 65504 and would read as a non-finite gradient."""
+    if not grads:
+        return []
+    wide = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
+    return torch._foreach_norm(grads, 2, dtype=wide)
+
+
 def agree_on_gradients(params: Sequence[Tensor], name_of: Callable[[int], str], transport: Transport, overlaps: Sequence,
                        nonfinite_policy: str, pipeline: Transport | None = None, unreserved: str | None = None) -> Verdict:  # fmt: skip
     """`params`: every parameter of the optimizer, in a fixed order; `overlaps`: per rank set its
@@ -53,7 +62,7 @@ def agree_on_gradients(params: Sequence[Tensor], name_of: Callable[[int], str], 
     # The L2 norm is NaN/Inf iff an entry is, or iff it overflows (> 1.8e19 in fp32), where the
     # grad-norm clipping that precedes the step would be Inf as well. One fused kernel on GPUs;
     # on CPU 17x faster than the max-abs norm (measured: 1.1 vs 17.8 ms on 5 M elements).
-    norms = torch._foreach_norm(checked, 2) if checked else []
+    norms = _norms(checked)
     if len(checked) == len(grads):  # the usual case: one stack, no per-parameter ops
         missing = torch.zeros(len(grads), dtype=torch.float64, device=transport.device)
         per_param = torch.stack(norms) if norms else missing
@@ -181,7 +190,7 @@ def agreeing_model_parts(optimizers: Sequence) -> Iterator[None]:
         device = opt.transport.device
         missing = torch.tensor([float(g is None) for g in grads], dtype=torch.float64, device=device)
         checked = [g for g in grads if g is not None and g.numel() > 0]
-        norms = torch._foreach_norm(checked, 2) if checked else []
+        norms = _norms(checked)
         nonfinite = torch.stack(norms).isfinite().logical_not().any().double().reshape(1) if norms else missing.new_zeros(1)
         counts = opt.transport.all_reduce(torch.cat([missing, nonfinite]))
         found.append(stage_code(counts[:-1], counts[-1:], opt.transport.world_size))
