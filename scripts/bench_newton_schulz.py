@@ -151,7 +151,7 @@ def restart_rows(shape: tuple[int, int], dtype_names: list[str], splits: list[tu
 def machine() -> str:
     try:
         lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        cpu = next(l.split(":", 1)[1].strip() for l in lscpu.splitlines() if l.startswith("Model name"))
+        cpu = next(line.split(":", 1)[1].strip() for line in lscpu.splitlines() if line.startswith("Model name"))
     except (OSError, subprocess.CalledProcessError, StopIteration):
         cpu = platform.processor() or "unknown CPU"
     return f"{cpu}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}"

@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_optimizer import ROOT, cpu_name, run_on_ranks, write_section  # noqa: E402
 
 from titan_muon import Muon, build_param_groups  # noqa: E402
-from titan_muon.algorithm.update import local_shard  # noqa: E402
+from titan_muon.base.dtensor import local_shard  # noqa: E402
 
 FLAVORS = {
     # torchtitan's llama3 "debugmodel", with GQA.

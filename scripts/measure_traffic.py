@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import model_presets as presets  # noqa: E402
 
 from titan_muon.algorithm.newton_schulz import newton_schulz_flops  # noqa: E402
-from titan_muon.exchange.layout import RankGrid, box_numel, sharding_of  # noqa: E402
+from titan_muon.base.layout import RankGrid, box_numel, sharding_of  # noqa: E402
 from titan_muon.exchange.plan import Unit, build_plan, elements_sent, rank_tables  # noqa: E402
 from titan_muon.settings import DEFAULT_EXCHANGE_MEMORY_MB, owner_bytes_per_element  # noqa: E402
 

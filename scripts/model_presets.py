@@ -19,7 +19,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from titan_muon.algorithm.newton_schulz import newton_schulz_flops
 from titan_muon.attention.split import row_block_ranges
-from titan_muon.exchange.layout import RankGrid, Sharding, sharding_of
+from titan_muon.base.layout import RankGrid, Sharding, sharding_of
 from titan_muon.exchange.plan import Unit
 
 NS_STEPS = 5

@@ -16,14 +16,20 @@ class LiveBytes(TorchDispatchMode):
     """Live bytes of the storages created inside the mode, and their peak (CPU tensors)."""
     def __init__(self, only_from: str | None = None):
         """`only_from`: count only storages allocated while code from files under this path runs."""
-        super().__init__(); self.live = 0; self.peak = 0; self._seen = set(); self.only_from = only_from
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self._seen = set()
+        self.only_from = only_from
         # Bytes of storages whose last reference another thread dropped: gloo's worker thread
         # holds a collective's tensors until it has finished its bookkeeping, after waking the
         # waiter, so such a storage can still count as alive, for an instant, when the step's
         # next allocation sets the peak (seen here: a return buffer, in 3 of 128 steps).
-        self.released_elsewhere = 0; self._thread = threading.get_ident()
+        self.released_elsewhere = 0
+        self._thread = threading.get_ident()
     def _freed(self, key, n):
-        self.live -= n; self._seen.discard(key)
+        self.live -= n
+        self._seen.discard(key)
         if threading.get_ident() != self._thread:
             self.released_elsewhere += n
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -41,7 +47,10 @@ class LiveBytes(TorchDispatchMode):
                 except RuntimeError:  # a storage FSDP2 has resized away (unsharded parameters)
                     continue
                 if key and key not in self._seen and s.nbytes():
-                    self._seen.add(key); n = s.nbytes(); self.live += n; self.peak = max(self.peak, self.live)
+                    self._seen.add(key)
+                    n = s.nbytes()
+                    self.live += n
+                    self.peak = max(self.peak, self.live)
                     weakref.finalize(s, self._freed, key, n)
         return out
 

@@ -76,7 +76,7 @@ def test_a_kept_reservation_is_reused_while_its_size_holds_and_replaced_when_the
 def _reservation_storages(keep_reservation, steps=3):
     """The storage each step's reservation was cut from, and the metrics, for one process stepping
     on a (64, 96) matrix; a second matrix is added before the last step (a new plan)."""
-    import titan_muon.algorithm.matrix_step as matrix_step
+    import titan_muon.step.matrix_step as matrix_step
 
     params = [torch.nn.Parameter(torch.randn(64, 96))]
     opt = Muon(params, lr=0.01, keep_reservation=keep_reservation)
@@ -120,7 +120,7 @@ def test_the_reservation_layout_is_computed_once_per_plan_and_settings(monkeypat
     """reserve_rounds sizes the reservation from every round of the plan; the store keeps that
     layout while the wire and the groups' NS settings stay (a new plan brings a new store), and
     computes it again when they change."""
-    import titan_muon.algorithm.matrix_step as matrix_step
+    import titan_muon.step.matrix_step as matrix_step
 
     calls, original = [], matrix_step.owner_bytes
 

@@ -20,7 +20,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from titan_muon import Muon, build_param_groups
-from titan_muon.algorithm.update import local_shard
+from titan_muon.base.dtensor import local_shard
 
 pytest.importorskip("torchao.float8", reason="float8 training needs torchao (the torchtitan extra)")
 

@@ -285,7 +285,7 @@ def test_tables_in_a_hierarchical_order_hold_the_same_pieces():
     are the tables' own."""
     from torch.distributed.tensor import Shard
 
-    from titan_muon.exchange.layout import RankGrid, sharding_of
+    from titan_muon.base.layout import RankGrid, sharding_of
     from titan_muon.exchange.plan import Unit, build_plan, rank_tables, send_counts_by_round
 
     world = 6

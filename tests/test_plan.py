@@ -17,7 +17,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from titan_muon.algorithm.newton_schulz import newton_schulz_flops
 from titan_muon.buffers import FreshBuffers
-from titan_muon.exchange.layout import RankGrid, as_stack_shape, box_numel, chunk_range, sharding_of
+from titan_muon.base.layout import RankGrid, as_stack_shape, box_numel, chunk_range, sharding_of
 from titan_muon.exchange.plan import Unit, build_plan, build_rounds, elements_sent, rank_tables, shard_rows
 from titan_muon.exchange.redistribute import assemble, disassemble, disassemble_into, local_piece, outbound_slots, unit_slots
 

@@ -117,7 +117,7 @@ def _clean(rank, world, overrides):
         (2, "titan_muon.algorithm.update:_into", 1, {"rounds_in_flight": 1}),
         (3, "titan_muon.buffers:torch", 1, {}),  # allocating an exchange buffer: recorded, retried once
         (2, "titan_muon.exchange.engine:assemble", 0, {}),
-        (3, "titan_muon.algorithm.commit:staged_state", 2, {"momentum_dtype": "fp8"}),
+        (3, "titan_muon.step.commit:staged_state", 2, {"momentum_dtype": "fp8"}),
     ],
     ids=["ns-W2", "ns-W3-bf16-momentum", "packing-W3", "packing-W2-window1", "exchange-buffer-W3", "assemble-W2", "staging-fp8-W3"],
 )

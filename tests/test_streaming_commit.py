@@ -180,7 +180,7 @@ class _NewStorages(TorchDispatchMode):
 
 
 def _allocations_after_the_first_write(rank, world, overrides):
-    from titan_muon.algorithm.matrix_step import MatrixStep
+    from titan_muon.step.matrix_step import MatrixStep
 
     mesh = init_device_mesh("cpu", (world,))
     # twelve uneven matrices: four rounds or more at W = 3 (an owner takes at least one per round)

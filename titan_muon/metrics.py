@@ -6,7 +6,7 @@ import math
 
 from torch import Tensor
 
-from titan_muon.algorithm.update import local_shard
+from titan_muon.base.dtensor import local_shard
 from titan_muon.exchange.overlap import metrics as overlap_metrics
 from titan_muon.timing import StepTimer
 

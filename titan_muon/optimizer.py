@@ -27,8 +27,8 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from titan_muon import settings
-from titan_muon.algorithm.commit import StepWork, adamw_step, commit, refuse_after_partial_step, stage_momentum
-from titan_muon.algorithm.matrix_step import MatrixStep, reserve_rounds
+from titan_muon.step.commit import StepWork, adamw_step, commit, refuse_after_partial_step, stage_momentum
+from titan_muon.step.matrix_step import MatrixStep, reserve_rounds
 from titan_muon.algorithm.orthogonalizer import Orthogonalizer
 from titan_muon.algorithm.update import Elementwise
 from titan_muon.attention.split import RowBlocks
@@ -41,9 +41,9 @@ from titan_muon.exchange.params import MuonParam, build_units, collect_muon_para
 from titan_muon.exchange.plan import OVERLAP_MIN_ROUNDS, Unit
 from titan_muon.exchange.reservation import ReservationStore
 from titan_muon.exchange.transport import AcrossReplicas, Transport
-from titan_muon.exchange.verdict import Verdict, agree_on_gradients, align_gradient_placements, decided_for_several_parts
+from titan_muon.step.agreement import Verdict, agree_on_gradients, align_gradient_placements, decided_for_several_parts
 from titan_muon.metrics import state_bytes, step_metrics, wire_bytes
-from titan_muon.state import checkpoint
+from titan_muon import checkpoint
 from titan_muon.state.momentum import momentum_storage
 from titan_muon.timing import StepTimer, phase
 
@@ -280,7 +280,7 @@ class Muon(Optimizer):
         return settings.commit_plan(self.commit_mode, reservable)
 
     def _agree_on_gradients(self, unreserved: str | None = None) -> Verdict:
-        """Every rank's verdict on missing and non-finite gradients and on the reservation (verdict.py);
+        """Every rank's verdict on missing and non-finite gradients and on the reservation (agreement.py);
         a skipped step counts and reports only what overlap sent during its backward."""
         params = [p for g in self.param_groups for p in g["params"]]
         verdict = agree_on_gradients(params, self._names.__getitem__, self.transport, self._overlaps, self.nonfinite_grads, self.pipeline, unreserved)

@@ -34,14 +34,8 @@ import types
 
 import torch
 from torch import Tensor
-from torch.distributed.tensor import DTensor
 
 ADJUST_LR_FNS = ("original", "match_rms_adamw", "spectral_unclamped")
-
-
-def local_shard(t: Tensor) -> Tensor:
-    """The block this rank holds: a DTensor's local tensor (a view: in-place updates reach it), else t."""
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def update_scale(adjust_lr_fn: str | None, rows: int, cols: int) -> float:

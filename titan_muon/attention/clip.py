@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from titan_muon.algorithm.update import local_shard
+from titan_muon.base.dtensor import local_shard
 from titan_muon.attention.layers import AttentionLayer, find_attention_layers
 from titan_muon.attention.logits import (
     ContextParallelSequence,

@@ -41,7 +41,7 @@ from titan_muon.attention.layers import (
     describe_attention,
     find_attention_layers,
 )
-from titan_muon.exchange.layout import local_block
+from titan_muon.base.layout import local_block
 
 CPU_BLOCK_BYTES = 4 << 20
 """Logits at once on CPU: 4 MiB (2^20 fp32 logits), the fastest size measured (docs/muonclip.md)."""
@@ -443,7 +443,7 @@ def held_rows(t: Tensor, dim: int = 0) -> tuple[int, int]:
     """Global [start, stop) of dimension ``dim`` that this rank's local tensor holds.
 
     One contiguous range for every placement FSDP2, HSDP, tensor parallel and FSDP2 on top of
-    tensor parallel produce (titan_muon.exchange.layout computes it; other nestings raise there).
+    tensor parallel produce (titan_muon.base.layout computes it; other nestings raise there).
     """
     if not isinstance(t, DTensor):
         return 0, t.shape[dim]

@@ -41,8 +41,8 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from titan_muon.algorithm.commit import staged_state
-from titan_muon.algorithm.update import local_shard
+from titan_muon.step.commit import staged_state
+from titan_muon.base.dtensor import local_shard
 from titan_muon.demo import dct as demo
 from titan_muon.demo import low_rank, sign
 from titan_muon.demo.low_rank import LEFT_FACTOR_KEY

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from titan_muon.buffers import Buffers, FreshBuffers, cut_bytes
-from titan_muon.exchange.layout import Sharding
+from titan_muon.base.layout import Sharding
 from titan_muon.exchange.plan import Piece, Plan, RoundTables, Unit, build_plan, rank_tables, send_counts_by_round
 from titan_muon.exchange.redistribute import (
     Batch,

@@ -18,9 +18,9 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate
 
-from titan_muon.algorithm.update import local_shard
+from titan_muon.base.dtensor import local_shard
 from titan_muon.attention.split import RowBlocks, match_row_blocks, row_block_ranges
-from titan_muon.exchange.layout import RankGrid, Sharding, replicated, sharding_of
+from titan_muon.base.layout import RankGrid, Sharding, replicated, sharding_of
 from titan_muon.exchange.plan import Unit
 from titan_muon.exchange.transport import cached_group
 from titan_muon.settings import check_group_params

@@ -33,7 +33,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from titan_muon.algorithm.newton_schulz import newton_schulz_flops
-from titan_muon.exchange.layout import Box, Sharding, box_numel, chunk_range
+from titan_muon.base.layout import Box, Sharding, box_numel, chunk_range
 
 
 def shard_rows(num_rows: int, world_size: int) -> list[tuple[int, int]]:

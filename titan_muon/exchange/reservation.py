@@ -2,7 +2,7 @@
 
 A streaming step writes round r's weights while rounds r + 1, … are still being packed,
 orthogonalized and returned. If one of their buffers failed to allocate, the rank would be left
-half-updated. So before the step's first agreement (verdict.py, which carries whether every
+half-updated. So before the step's first agreement (agreement.py, which carries whether every
 rank could reserve), each rank reserves one byte tensor sized from the plan and cuts every
 round's buffers out of it, in three regions (engine.ExchangeEngine.run):
 

@@ -1,1 +1,1 @@
-"""Momentum storage (fp32, bf16, fp8), owner-held momentum, and checkpoints."""
+"""Momentum storage (fp32, bf16, fp8) on the shards, and momentum held by the owners."""

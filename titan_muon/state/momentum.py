@@ -30,8 +30,8 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from titan_muon.algorithm.update import local_shard
-from titan_muon.exchange.layout import Box, local_block
+from titan_muon.base.dtensor import local_shard
+from titan_muon.base.layout import Box, local_block
 
 MOMENTUM_DTYPES = ("fp32", "bf16", "fp8")
 ROUNDINGS = ("nearest", "stochastic")

@@ -65,7 +65,7 @@ from torchtitan.distributed import ParallelDims
 from torchtitan.tools.logging import logger
 
 from titan_muon import Muon
-from titan_muon.exchange.verdict import agreeing_model_parts
+from titan_muon.step.agreement import agreeing_model_parts
 from titan_muon.torchtitan import config as optimizer_section
 from titan_muon.torchtitan.config import validate_optimizer_config
 from titan_muon.torchtitan.metrics import measure_logged_steps_only, time_optimizer_steps

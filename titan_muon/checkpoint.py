@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from titan_muon.algorithm.commit import adamw_step_device, new_adamw_state
+from titan_muon.step.commit import adamw_step_device, new_adamw_state
 from titan_muon.demo.sign import ERROR_KEY
 from titan_muon.demo.step import replica_keys
 from titan_muon.exchange.transport import uncounted

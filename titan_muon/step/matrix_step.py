@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from titan_muon.algorithm.commit import StepWork, apply_updates, staged_state
+from titan_muon.step.commit import StepWork, apply_updates, staged_state
 from titan_muon.algorithm.newton_schulz import Pieces
 from titan_muon.algorithm.orthogonalizer import Orthogonalizer
 from titan_muon.algorithm.update import Elementwise, coalesce
@@ -32,7 +32,7 @@ from titan_muon.exchange.params import MuonParam
 from titan_muon.exchange.plan import Piece, RoundTables, Unit
 from titan_muon.exchange.reservation import ReservationStore, ReservedRounds, RoundBytes, largest, reservation_bytes
 from titan_muon.exchange.redistribute import Batch, local_piece
-from titan_muon.exchange.verdict import Verdict
+from titan_muon.step.agreement import Verdict
 from titan_muon.timing import StepTimer, phase
 
 

@@ -26,7 +26,8 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.optim.adamw import adamw as adamw_functional
 
-from titan_muon.algorithm.update import Elementwise, coalesce, local_shard
+from titan_muon.algorithm.update import Elementwise, coalesce
+from titan_muon.base.dtensor import local_shard
 from titan_muon.exchange.engine import MemoryAccount, StepFailure
 
 

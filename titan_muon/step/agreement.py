@@ -25,7 +25,7 @@ import torch.distributed
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from titan_muon.algorithm.update import local_shard
+from titan_muon.base.dtensor import local_shard
 from titan_muon.exchange.transport import Transport
 
 # What a stage (or model part) found, MAX-reduced over the pipeline: the largest code wins.
