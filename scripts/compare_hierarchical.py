@@ -1,5 +1,5 @@
-"""One model at one W, flat and hierarchical exchange, traced and replayed (scripts/step_trace.py,
-scripts/replay.py) on H100 nodes of 8: the replayed step time of each, for docs/exchange.md.
+"""One model at one W, flat and hierarchical exchange, traced and replayed (scale_replay/step_trace.py,
+scale_replay/replay.py) on H100 nodes of 8: the replayed step time of each, for docs/exchange.md.
 
     python scripts/compare_hierarchical.py --model "Llama-3 8B" --world 128 --workers 2
 
@@ -17,14 +17,12 @@ import multiprocessing
 import platform
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch._dynamo  # noqa: E402, F401 - imported once here, not by every forked worker's first DTensor
-from replay import replay
-from simulate_scale import CUDA_DEFAULTS, H100, adamw_params, models
-from step_trace import Collective, trace_rank
+from scale_replay.replay import replay
+from scale_replay.simulate import CUDA_DEFAULTS, H100, adamw_params, models
+from scale_replay.step_trace import Collective, trace_rank
 
 
 def _trace(job):

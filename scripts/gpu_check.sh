@@ -12,7 +12,7 @@
 #      against bf16 standard NS, the atomic against the streaming commit, against AdamW's default
 #      and fused steps: time, NS time, "beyond NS" over fused AdamW, peak memory each step adds;
 #      then scripts/measure_compiled_call.py: the host time of one compiled pass against one eager
-#      op (the replay's compiled_call_s and launch_s, scripts/replay.py);
+#      op (the replay's compiled_call_s and launch_s, scale_replay/replay.py);
 #   4. torchtitan's llama3 debug model (train_configs/llama3_gqa_*.toml, 300 steps, one GPU):
 #      Muon with the CUDA defaults (standard bf16 NS: the debug model's matrices are below the
 #      2048-row side where "auto" picks Gram on GPUs), Muon with fp16 Gram NS forced, AdamW: final

@@ -1,7 +1,7 @@
 """Host time of one call to the step's compiled element-wise pass, next to one eager op.
 
-The step trace (scripts/step_trace.py) records each compiled call and its kernels; the replay
-(scripts/replay.py) charges the host ``compiled_call_s`` for launching it, where an eager op costs
+The step trace (scale_replay/step_trace.py) records each compiled call and its kernels; the replay
+(scale_replay/replay.py) charges the host ``compiled_call_s`` for launching it, where an eager op costs
 ``launch_s``. A torch.compile'd function does more on the host than an eager op: dynamo's guards,
 AOTAutograd's runtime wrapper, inductor's wrapper, then the kernel launch. This measures it
 through the entry point the step uses (``Elementwise``, which takes lists of blocks), for one block
@@ -30,7 +30,6 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_optimizer import cpu_name  # noqa: E402
 
 from titan_muon.algorithm.update import COMPILED_LIST, Elementwise  # noqa: E402

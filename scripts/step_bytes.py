@@ -1,7 +1,7 @@
 """Bytes the optimizer step moves per Muon element, counted from the traced step (no device).
 
 The real ``Muon.step()`` of every rank runs on ``meta`` over a fake process group
-(scripts/step_trace.py); every kernel it launches is recorded with the bytes it reads and
+(scale_replay/step_trace.py); every kernel it launches is recorded with the bytes it reads and
 writes, by the phase it runs in. This prints, per side of the step (step_trace.STEP_SIDES:
 the non-finite check reads the gradients, the shard side packs, the owners assemble, orthogonalize, scale and disassemble, the commit
 writes momentum and weights), the bytes per Muon element the ranks hold, with the element-wise
@@ -16,13 +16,10 @@ Newton–Schulz's matrix products are not counted: they are the work itself.
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from model_presets import PRESETS  # noqa: E402
-from simulate_scale import CUDA_DEFAULTS, stage_params  # noqa: E402
-from step_trace import bytes_per_muon_element, trace_rank  # noqa: E402
+from scale_replay.model_presets import PRESETS  # noqa: E402
+from scale_replay.simulate import CUDA_DEFAULTS, stage_params  # noqa: E402
+from scale_replay.step_trace import bytes_per_muon_element, trace_rank  # noqa: E402
 
 
 def main(argv=None) -> None:

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from common import grads_for, make_params, run_titan
-from meta_device import DeviceAudit
+from scale_replay.meta_device import DeviceAudit
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 

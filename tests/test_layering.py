@@ -76,6 +76,18 @@ def test_each_layer_imports_only_the_layers_below_it():
     assert not upward, "imports that reach up a layer:\n" + "\n".join(upward)
 
 
+def test_the_package_never_imports_the_tools_beside_it():
+    """scale_replay/ (the replay), tests/ and scripts/ sit above the package; a user's install has none."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            modules = [node.module or ""] if isinstance(node, ast.ImportFrom) else \
+                [a.name for a in node.names] if isinstance(node, ast.Import) else []  # fmt: skip
+            found += [f"{path.relative_to(PACKAGE.parent)} imports {m}" for m in modules
+                      if m.split(".")[0] in ("scale_replay", "tests", "scripts")]  # fmt: skip
+    assert not found, found
+
+
 def test_the_layer_check_sees_an_upward_import():
     """The check itself: a ground-floor module importing the exchange is reported."""
     tree = ast.parse("def f():\n    from titan_muon.exchange.plan import Unit\n")

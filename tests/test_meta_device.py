@@ -10,7 +10,7 @@ import math
 
 import pytest
 import torch
-from meta_device import DeviceAudit, meta_process_group
+from scale_replay.meta_device import DeviceAudit, meta_process_group
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard

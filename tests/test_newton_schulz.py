@@ -742,11 +742,7 @@ def test_fp16_normalization_on_meta_is_traced_as_two_kernels_reading_the_input_a
     runs — the fp32 norm reading the bf16 input, the division writing fp16 — with no fp32 copy of
     the matrix (the CPU's staging moved 2 + 4 + 4 + 4 + 4 + 4 + 2 = 24 bytes per element before
     the first product; now 2 + 2 + 2 = 6), and workspace_bytes charges no staging buffer."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-    from step_trace import trace_kernels
+    from scale_replay.step_trace import trace_kernels
 
     rows, cols = 1024, 4096
     m = torch.empty(rows, cols, dtype=torch.bfloat16, device="meta")

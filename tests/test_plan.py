@@ -124,16 +124,9 @@ def test_a_unit_held_by_one_rank_stays_with_it():
 
 
 def _preset_units():
-    import importlib.util
-    import sys
-    from pathlib import Path
+    from scale_replay import model_presets
 
-    path = Path(__file__).resolve().parents[1] / "scripts" / "model_presets.py"
-    spec = importlib.util.spec_from_file_location("model_presets", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return model_presets
 
 
 # The plan's balance where memory does not bind: an 8 GiB window (4 GiB per round; the default is 2 GiB). A
@@ -293,16 +286,9 @@ def test_plan_is_deterministic_and_fingerprinted():
 
 
 def _traffic_script():
-    import importlib.util
-    import sys
-    from pathlib import Path
+    from scale_replay import traffic
 
-    path = Path(__file__).resolve().parents[1] / "scripts" / "measure_traffic.py"
-    spec = importlib.util.spec_from_file_location("measure_traffic", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return traffic
 
 
 def test_a_rank_sends_at_most_its_shard_plus_the_matrices_it_owns():

@@ -1,19 +1,15 @@
-"""The scale model: traces of the real step (scripts/step_trace.py) and their replay with CUDA and
-NCCL semantics (scripts/replay.py), checked on hand-built traces whose timing follows from the
+"""The scale model: traces of the real step (scale_replay/step_trace.py) and their replay with CUDA and
+NCCL semantics (scale_replay/replay.py), checked on hand-built traces whose timing follows from the
 rules alone, and on traces of the real step whose bytes and FLOPs are known independently."""
 
-import sys
 from dataclasses import replace
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-
-from replay import Hardware, replay
-from step_trace import (
+from scale_replay.replay import Hardware, replay
+from scale_replay.step_trace import (
     Collective,
     HostRead,
     Kernel,
@@ -224,7 +220,7 @@ def test_the_gradient_check_counts_its_muon_share(traces):
     element are the Muon gradients' 4 bytes, counted in the total beyond NS. Beside that one pass it
     handles a few per-parameter scalars (norms, flags, the agreement's vector; < 128 bytes per parameter in all), which only
     on shapes this small show up."""
-    from step_trace import bytes_per_muon_element
+    from scale_replay.step_trace import bytes_per_muon_element
 
     sides = bytes_per_muon_element(traces)
     scalars = max(128 * (len(SHAPES) + 2) / t.gradient_elements for t in traces)
@@ -259,8 +255,7 @@ def test_hierarchical_traces_match_and_replay():
 
 
 def test_llama3_8b_on_8_ranks_is_close_to_its_bound():
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-    import simulate_scale
+    from scale_replay import simulate as simulate_scale
 
     row = simulate_scale.simulate(simulate_scale.Case("Llama-3 8B", 8), workers=1, log=lambda _: None)
     assert row.idle_ranks == 0
@@ -339,8 +334,8 @@ def test_pipeline_stages_trace_their_own_layers_and_replay_alone():
     stage 1 (ranks 2, 3) layers 2-3, the final norm and the output. Each stage's exchange stays
     among its ranks; the only collective across stages is the optimizer's pipeline agreement,
     which a stage replayed alone completes with the other stage keeping pace."""
-    import simulate_scale
-    from model_presets import llama3
+    from scale_replay import simulate as simulate_scale
+    from scale_replay.model_presets import llama3
 
     model = llama3("tiny", 32, layers=4, heads=4, kv_heads=2, ffn=96)
     parallelism = Parallelism(2, pp=2)
@@ -363,7 +358,7 @@ def test_pipeline_stages_trace_their_own_layers_and_replay_alone():
 
 def test_pipeline_layers_split_as_torchtitan_does():
     """Against torchtitan 0.2.2's own split (its default: embedding and output count as a layer)."""
-    import simulate_scale
+    from scale_replay import simulate as simulate_scale
     from torchtitan.distributed.pipeline_parallel import generate_llm_fqn_per_model_part
 
     for layers, stages in [(61, 4), (4, 2), (32, 4), (80, 8), (48, 3)]:
@@ -380,8 +375,8 @@ def test_pipeline_stages_hide_their_steps_behind_the_forwards_ahead_of_them():
     """Stage s gets the next step's first microbatch after stages 0 … s − 1 each ran one forward;
     the job waits for the latest stage. Stages after the busiest that were not replayed count at
     its step; an earlier one missing is an error, not a guess."""
-    import simulate_scale
-    from model_presets import Model
+    from scale_replay import simulate as simulate_scale
+    from scale_replay.model_presets import Model
 
     forward = [0.060, 0.064, 0.064, 0.060]
     exposed = simulate_scale.pipeline_exposed_s
@@ -398,7 +393,7 @@ def test_pipeline_stages_hide_their_steps_behind_the_forwards_ahead_of_them():
 def test_kimi_rows_compare_like_for_like_within_one_exchange_window():
     """The calibration's Kimi K2 figure at the default window and at the wide one: each from its
     own window's stage 0 and busiest stage, never mixing them; a window without stage 0 gives none."""
-    import simulate_scale
+    from scale_replay import simulate as simulate_scale
 
     def row(stage, window, step, adamw):
         case = simulate_scale.Case("Kimi-K2 1T", 256, ep=64, pp=4, only_stage=0 if stage == 0 else None, exchange_memory_mb=window)
@@ -420,7 +415,7 @@ def test_kimi_rows_compare_like_for_like_within_one_exchange_window():
 def test_gather_everything_floor_is_the_groups_whole_newton_schulz():
     """DMuon's calibration row: gather-everything Muon runs every matrix's NS on every rank, so its step
     is at least the sum of the owners' NS; the owner step is compared against that floor."""
-    import simulate_scale
+    from scale_replay import simulate as simulate_scale
     results = {rank: SimpleNamespace(newton_schulz_s=ns, finish_s=0.1) for rank, ns in enumerate([0.02, 0.03, 0.025, 0.025])}
     row = simulate_scale.Row(simulate_scale.Case("Llama-3 8B", 4), results, {}, {}, [], 0.0)
     assert simulate_scale.gather_everything_floor_s(row) == pytest.approx(0.1)
@@ -433,7 +428,7 @@ def test_calibration_costs_an_ns_call_as_the_replay_does():
     """scripts/calibrate_replay.py: a tiny call is launch-bound (every kernel waits for its launch:
     kernels × launch_s plus the last kernel's minimum time); a large one is its matrix products at
     the bf16 rate plus its passes at the memory rate, never less than the FLOPs alone."""
-    from calibrate_replay import modelled_seconds
+    from scale_replay.calibrate import modelled_seconds
 
     hardware = Hardware()
     seconds, kernels = modelled_seconds(hardware, 1, 8, 16, torch.bfloat16, "standard", True)

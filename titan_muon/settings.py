@@ -34,7 +34,7 @@ OWNER_FIXED_BYTES = 8.0
 
 def on_accelerator(device: torch.device) -> bool:
     """Whether "auto" settings choose for an accelerator: on CUDA, and on ``meta``, where the
-    meta-device suite and the step traces (scripts/step_trace.py) stand in for a GPU and must see
+    meta-device suite and the step traces (scale_replay/step_trace.py) stand in for a GPU and must see
     what it runs; elsewhere (CPU) they choose for a CPU."""
     return newton_schulz.on_accelerator(device.type)
 

@@ -84,7 +84,7 @@ SYMMETRIC_SPLIT_MIN_ACCELERATOR = 3072
 
 def on_accelerator(device_type: str) -> bool:
     """Whether "auto" choices on this device type are a GPU's: CUDA, and ``meta``, where the meta
-    suite and the step traces (scripts/step_trace.py) stand in for a GPU; anything else chooses
+    suite and the step traces (scale_replay/step_trace.py) stand in for a GPU; anything else chooses
     as the CPU does. settings.on_accelerator asks the same of a device."""
     return device_type in ("cuda", "meta")
 
@@ -511,7 +511,7 @@ def _as_traced(*tensors: Tensor):
 
 
 def _one_kernel(*tensors: Tensor):
-    """On ``meta`` (the step's trace, scripts/step_trace.py), a range the trace records as one
+    """On ``meta`` (the step's trace, scale_replay/step_trace.py), a range the trace records as one
     kernel moving `tensors` once each: what a GPU runs, where meta's decompositions would add a
     converting copy. A no-op elsewhere."""
     if tensors[0].device.type != "meta":

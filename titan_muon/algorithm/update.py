@@ -266,7 +266,7 @@ def _marked_as_one_call(block_fn, lists: int):
     """The list form of `block_fn` on ``meta``: one ``titan_muon/compiled_call`` range for the
     call, a kernel's range per block inside it (inductor compiles a list to one kernel per block,
     launched by one call). On ``meta`` there is no compiler: this is how a trace of the step
-    (scripts/step_trace.py) sees the passes a GPU runs, and what each call costs its host."""
+    (scale_replay/step_trace.py) sees the passes a GPU runs, and what each call costs its host."""
 
     def marked(*args):
         results = []

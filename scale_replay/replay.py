@@ -1,4 +1,4 @@
-"""Replay per-rank step traces (``scripts/step_trace.py``) with CUDA stream and NCCL semantics.
+"""Replay per-rank step traces (``scale_replay/step_trace.py``) with CUDA stream and NCCL semantics.
 
 Per rank there is a host clock, one compute stream and one in-order stream per communicator:
 
@@ -33,7 +33,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
-from step_trace import Collective, HostRead, Kernel, Trace, Wait
+from scale_replay.step_trace import Collective, HostRead, Kernel, Trace, Wait
 
 
 @dataclass(frozen=True)

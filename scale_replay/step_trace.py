@@ -1,6 +1,6 @@
 """Trace the real ``Muon.step()`` of every rank, as the device would see it, without a device.
 
-Each rank runs on ``meta`` tensors over torch's fake process group (``tests/meta_device.py``):
+Each rank runs on ``meta`` tensors over torch's fake process group (``scale_replay/meta_device.py``):
 the optimizer's own code plans, packs, exchanges, orthogonalizes and commits, and a dispatch
 mode records, in issue order, what the host hands to the device:
 
@@ -19,17 +19,15 @@ Kernels, collectives and waits carry the stream they are issued on: "compute", o
 a hierarchical exchange's relay between its stages (titan_muon's ``relay`` phase), which on
 CUDA runs on a stream of its own.
 
-``scripts/replay.py`` replays the traces of all ranks with CUDA stream and NCCL semantics.
+``scale_replay/replay.py`` replays the traces of all ranks with CUDA stream and NCCL semantics.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -42,8 +40,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils import _pytree as pytree
 from torch.utils.flop_counter import flop_registry
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from meta_device import DeviceAudit, meta_process_group
+from scale_replay.meta_device import DeviceAudit, meta_process_group
 
 aten = torch.ops.aten
 FUSED = "fused:"
