@@ -51,6 +51,14 @@ from titan_muon.timing import StepTimer, phase
 class Muon(Optimizer):
     """Muon (momentum orthogonalized by Newton–Schulz) with AdamW groups, FSDP2-native.
 
+    Per matrix W with gradient G, as titan_muon/muon_math.py states it on one page::
+
+        M ← μ·M + (1 − μ)·G;  X = (1 − μ)·G + μ·M with Nesterov, else M
+        O = NewtonSchulz(X) ≈ U·Vᵀ of X = U·S·Vᵀ;  W ← (1 − lr·wd)·W − lr·scale(rows, cols)·O
+
+    Every rank gives each matrix one owner: the shards travel to it, it orthogonalizes the
+    whole matrix, the update travels back (docs/design.md). The result equals that page.
+
     Param groups with ``use_muon=True`` (the default) hold 2-D matrices or 3-D stacks of
     matrices (MoE experts, one matrix per expert); groups with ``use_muon=False`` get AdamW
     with their own ``betas``, ``eps`` and ``weight_decay``. :func:`titan_muon.build_param_groups`
@@ -58,7 +66,7 @@ class Muon(Optimizer):
 
     Positional args are ``torch.optim.Muon``'s, in its order and meanings (``eps``: Newton–Schulz's
     epsilon, also ``ns_eps``; in an AdamW group ``eps`` is AdamW's, default ``adamw_eps``). Further
-    (README.md lists them all, docs/ explains them):
+    (docs/reference.md lists them all, docs/ explains them):
         ns_algorithm ("auto", "standard", "gram"), ns_dtype ("auto": on CUDA bf16 for standard
             NS and fp16 for Gram NS, fp32 elsewhere); comm_dtype ("auto", "fp32", "bf16"): the wire;
         adamw_betas, adamw_eps, adamw_implementation ("fused", "foreach", "for-loop");

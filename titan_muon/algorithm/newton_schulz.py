@@ -36,8 +36,9 @@ from titan_muon.buffers import Buffers, FreshBuffers, cut_bytes
 
 KELLER_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 
-# Amsel, Persson, Musco, Gower: "The Polar Express" (arXiv:2505.16932), the 5-step set with
-# their safety factor applied through the initial scaling below.
+# The 5-step Polar Express set as modded-nanogpt ships it (after Amsel, Persson, Musco, Gower,
+# "The Polar Express", arXiv:2505.16932): the paper's method, not its Algorithm 1's own table or
+# safety margin. POLAR_EXPRESS_SAFETY widens the initial scaling instead (_normalized).
 POLAR_EXPRESS_COEFFICIENTS = (
     (8.156554524902461, -22.48329292557795, 15.878769915207462),
     (4.042929935166739, -2.808917465908714, 0.5000178451051316),
